@@ -1,0 +1,87 @@
+"""`pdproxy serve | demo | fake-worker`."""
+
+from __future__ import annotations
+
+import argparse
+import logging
+import sys
+from collections.abc import Sequence
+
+from pdproxy import __version__
+from pdproxy.config import ConfigError, Settings, add_settings_arguments, load_settings
+
+LOG_FORMAT = "%(asctime)s %(levelname)s %(name)s: %(message)s"
+
+
+def configure_logging(level: str) -> None:
+    logging.basicConfig(level=level.upper(), format=LOG_FORMAT, stream=sys.stderr)
+
+
+def serve(settings: Settings) -> int:
+    import uvicorn
+
+    from pdproxy.proxy.app import create_app
+
+    configure_logging(settings.log_level)
+    config = uvicorn.Config(
+        create_app(settings),
+        host=settings.host,
+        port=settings.port,
+        loop=_event_loop(),
+        http="httptools",
+        lifespan="on",
+        access_log=False,
+        log_level=settings.log_level,
+        server_header=False,
+    )
+    server = uvicorn.Server(config)
+    server.run()
+    return 0 if server.started else 1
+
+
+def _event_loop() -> str:
+    try:
+        import uvloop  # noqa: F401
+    except ImportError:
+        return "asyncio"
+    return "uvloop"
+
+
+def _run_serve(args: argparse.Namespace) -> int:
+    try:
+        settings = load_settings(args)
+    except ConfigError as exc:
+        print(f"pdproxy serve: {exc}", file=sys.stderr)
+        return 2
+    return serve(settings)
+
+
+def build_parser() -> argparse.ArgumentParser:
+    from pdproxy.testing import demo, fake_worker
+
+    parser = argparse.ArgumentParser(
+        prog="pdproxy",
+        description="Front door for prefill/decode-disaggregated vLLM fleets.",
+    )
+    parser.add_argument("--version", action="version", version=f"pdproxy {__version__}")
+    commands = parser.add_subparsers(dest="command", required=True, metavar="COMMAND")
+    serve_parser = commands.add_parser(
+        "serve",
+        help="run the proxy and its registry",
+        description="Run the OpenAI-compatible P/D proxy and the ZMQ registry. Every option "
+        "can also be set as PDPROXY_<NAME> in the environment or in the YAML file given with "
+        "--config; flags win over the environment, which wins over the file.",
+    )
+    add_settings_arguments(serve_parser)
+    serve_parser.set_defaults(func=_run_serve)
+    demo.add_cli(commands)
+    fake_worker.add_cli(commands)
+    return parser
+
+
+def main(argv: Sequence[str] | None = None) -> int:
+    args = build_parser().parse_args(argv)
+    func = args.func
+    del args.func, args.command
+    result: int = func(args)
+    return result

@@ -1,0 +1,226 @@
+"""The one Settings object every part of the proxy reads.
+
+Precedence, lowest first: defaults, the YAML file given with --config, PDPROXY_<NAME>
+environment variables, command-line flags. The CLI flags are generated from the fields below, so
+`pdproxy serve --help` documents every option and no option exists in one place only.
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import os
+from collections.abc import Mapping, Sequence
+from pathlib import Path
+from typing import Any, Literal
+
+import yaml
+from pydantic import BaseModel, ConfigDict, Field, SecretStr, ValidationError, model_validator
+
+from pdproxy.ids import Address, AddressError, parse_address
+
+ENV_PREFIX = "PDPROXY_"
+MiB = 1024 * 1024
+
+
+class StaticInstance(BaseModel):
+    """An instance the operator configured; it never expires.
+
+    Written on the command line as `http=HOST:PORT,zmq=HOST:PORT[,model=NAME]`.
+    """
+
+    model_config = ConfigDict(frozen=True, extra="forbid")
+
+    http: str
+    zmq: str
+    model: str | None = None
+
+    @model_validator(mode="before")
+    @classmethod
+    def _from_text(cls, value: Any) -> Any:
+        if not isinstance(value, str):
+            return value
+        fields: dict[str, str] = {}
+        for part in value.split(","):
+            key, sep, item = part.strip().partition("=")
+            if not sep or key not in ("http", "zmq", "model") or key in fields:
+                raise ValueError(
+                    f"bad instance {value!r}: expected http=HOST:PORT,zmq=HOST:PORT[,model=NAME]"
+                )
+            fields[key] = item
+        return fields
+
+    @model_validator(mode="after")
+    def _addresses_valid(self) -> StaticInstance:
+        for key in ("http", "zmq"):
+            try:
+                parse_address(getattr(self, key))
+            except AddressError as exc:
+                raise ValueError(f"{key} address: {exc}") from None
+        return self
+
+    @property
+    def http_address(self) -> Address:
+        return parse_address(self.http)
+
+    @property
+    def zmq_address(self) -> Address:
+        return parse_address(self.zmq)
+
+
+class Settings(BaseModel):
+    model_config = ConfigDict(frozen=True, extra="forbid")
+
+    host: str = Field("0.0.0.0", description="HTTP bind address.")
+    port: int = Field(8000, ge=1, le=65535, description="HTTP port.")
+    registry_bind: str = Field(
+        "tcp://0.0.0.0:30001",
+        description="ZMQ ROUTER address workers announce to (vLLM's proxy_ip:proxy_port).",
+    )
+    ttl: float = Field(
+        10.0, gt=0, description="Seconds without a message after which an instance expires."
+    )
+    prefill: list[StaticInstance] = Field(
+        default_factory=list,
+        description="Static prefill instance http=HOST:PORT,zmq=HOST:PORT[,model=NAME]; "
+        "repeatable; never expires.",
+    )
+    decode: list[StaticInstance] = Field(
+        default_factory=list,
+        description="Static decode instance http=HOST:PORT,zmq=HOST:PORT[,model=NAME]; "
+        "repeatable; never expires.",
+    )
+    max_instances: int = Field(4096, ge=1, description="Cap on registered instances.")
+    registry_max_message_bytes: int = Field(
+        65536, ge=256, description="Registry frames larger than this are dropped by ZMQ."
+    )
+    max_body_bytes: int = Field(
+        32 * MiB, ge=1024, description="Largest request body accepted (413 above)."
+    )
+    max_response_bytes: int = Field(
+        64 * MiB, ge=1024, description="Largest non-streaming upstream answer relayed."
+    )
+    upstream_api_key: SecretStr | None = Field(
+        None,
+        description="Bearer key sent to P and D instead of the client's Authorization header.",
+    )
+    connect_timeout: float = Field(5.0, gt=0, description="Seconds to connect to an instance.")
+    prefill_timeout: float = Field(
+        600.0, gt=0, description="Seconds the whole prefill leg may take (long prompts are slow)."
+    )
+    decode_first_byte_timeout: float = Field(
+        120.0,
+        gt=0,
+        description="Seconds until the decode leg's first body byte (bounds a KV handoff hang).",
+    )
+    stream_idle_timeout: float = Field(
+        120.0, gt=0, description="Seconds allowed between two chunks of the decode stream."
+    )
+    request_timeout: float = Field(
+        3600.0, gt=0, description="Seconds a whole request may take, both legs included."
+    )
+    retry_after_seconds: int = Field(
+        2, ge=1, description="Retry-After sent with 503 when no pair can serve a request."
+    )
+    upstream_max_connections: int = Field(
+        4096, ge=1, description="Cap on pooled connections to all instances together."
+    )
+    log_level: Literal["debug", "info", "warning", "error"] = Field(
+        "info", description="Log level."
+    )
+
+
+class ConfigError(ValueError):
+    """Settings could not be built; the message says which source and why."""
+
+
+def _flag(name: str) -> str:
+    return "--" + name.replace("_", "-")
+
+
+def _is_list(name: str) -> bool:
+    return name in ("prefill", "decode")
+
+
+def add_settings_arguments(parser: argparse.ArgumentParser) -> None:
+    """One flag per Settings field; defaults are suppressed so unset flags don't override."""
+    parser.add_argument(
+        "--config", metavar="FILE", default=None, help="YAML file with any of the settings below."
+    )
+    for name, field in Settings.model_fields.items():
+        default = field.get_default(call_default_factory=True)
+        shown = "" if isinstance(default, list) or default is None else f" (default: {default})"
+        help_text = f"{field.description}{shown} [env {ENV_PREFIX}{name.upper()}]"
+        parser.add_argument(
+            _flag(name),
+            dest=name,
+            action="append" if _is_list(name) else "store",
+            default=argparse.SUPPRESS,
+            metavar=name.upper() if not _is_list(name) else "SPEC",
+            help=help_text.replace("%", "%%"),
+        )
+
+
+def _from_env(environ: Mapping[str, str]) -> dict[str, Any]:
+    values: dict[str, Any] = {}
+    for name in Settings.model_fields:
+        raw = environ.get(f"{ENV_PREFIX}{name.upper()}")
+        if raw is None:
+            continue
+        if _is_list(name):
+            text = raw.strip()
+            values[name] = json.loads(text) if text.startswith("[") else _split(text)
+        else:
+            values[name] = raw
+    return values
+
+
+def _split(text: str) -> list[str]:
+    # Several instances in one variable: separated by ';' or whitespace.
+    return [item for chunk in text.split(";") for item in chunk.split() if item]
+
+
+def _from_yaml(path: str) -> dict[str, Any]:
+    try:
+        data = yaml.safe_load(Path(path).read_text(encoding="utf-8"))
+    except (OSError, yaml.YAMLError) as exc:
+        raise ConfigError(f"config file {path}: {exc}") from None
+    if data is None:
+        return {}
+    if not isinstance(data, dict):
+        raise ConfigError(f"config file {path}: expected a mapping of settings")
+    return {str(key).replace("-", "_"): value for key, value in data.items()}
+
+
+def load_settings(
+    args: argparse.Namespace | None = None,
+    environ: Mapping[str, str] | None = None,
+) -> Settings:
+    """Merge defaults < YAML < env < flags into one validated Settings."""
+    environ = os.environ if environ is None else environ
+    flags = dict(vars(args)) if args is not None else {}
+    config_path = flags.pop("config", None) or environ.get(f"{ENV_PREFIX}CONFIG")
+    merged: dict[str, Any] = {}
+    sources: list[tuple[str, dict[str, Any]]] = []
+    if config_path:
+        sources.append((f"config file {config_path}", _from_yaml(config_path)))
+    sources.append(("environment", _from_env(environ)))
+    sources.append(("flags", {k: v for k, v in flags.items() if k in Settings.model_fields}))
+    for _, values in sources:
+        merged.update(values)
+    try:
+        return Settings.model_validate(merged)
+    except ValidationError as exc:
+        raise ConfigError(_describe(exc)) from None
+
+
+def _describe(exc: ValidationError) -> str:
+    lines = []
+    for error in exc.errors():
+        where = ".".join(str(part) for part in error["loc"]) or "settings"
+        lines.append(f"{where}: {error['msg']}")
+    return "invalid settings: " + "; ".join(lines)
+
+
+def settings_summary(settings: Settings, fields: Sequence[str]) -> str:
+    return ", ".join(f"{name}={getattr(settings, name)}" for name in fields)

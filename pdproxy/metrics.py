@@ -1,0 +1,127 @@
+"""Every Prometheus metric pdproxy exports, defined once, on a registry the app owns.
+
+Names are `pdproxy_*` in base units (seconds, bytes). Label values come from bounded sets
+(endpoint, status class, role, reason enums) or from registered instances, whose labels are
+removed when the instance leaves, so label cardinality is bounded by the registry cap.
+"""
+
+from __future__ import annotations
+
+import contextlib
+
+from prometheus_client import CollectorRegistry, Counter, Gauge, Histogram
+from prometheus_client.exposition import CONTENT_TYPE_LATEST, generate_latest
+
+from pdproxy.registry.messages import Reason, Role
+
+# Latency buckets from sub-millisecond proxy overhead to multi-minute prefills of long prompts.
+_LATENCY_BUCKETS = (
+    0.0005, 0.001, 0.0025, 0.005, 0.01, 0.025, 0.05, 0.1, 0.25, 0.5,
+    1.0, 2.5, 5.0, 10.0, 30.0, 60.0, 120.0, 300.0, 600.0,
+)  # fmt: skip
+
+CONTENT_TYPE = CONTENT_TYPE_LATEST
+LEG_ROLES = ("prefill", "decode")
+
+
+class Metrics:
+    def __init__(self, registry: CollectorRegistry | None = None) -> None:
+        self.registry = registry or CollectorRegistry(auto_describe=True)
+        r = self.registry
+        self.requests = Counter(
+            "pdproxy_requests",
+            "Client requests answered, by endpoint and HTTP status code.",
+            ["endpoint", "status"],
+            registry=r,
+        )
+        self.request_duration = Histogram(
+            "pdproxy_request_duration_seconds",
+            "End-to-end latency of client requests, until the last byte is sent.",
+            ["endpoint"],
+            buckets=_LATENCY_BUCKETS,
+            registry=r,
+        )
+        self.prefill_duration = Histogram(
+            "pdproxy_prefill_duration_seconds",
+            "Latency of the prefill leg (max_tokens=1), read to the end.",
+            buckets=_LATENCY_BUCKETS,
+            registry=r,
+        )
+        self.decode_first_byte = Histogram(
+            "pdproxy_decode_first_byte_seconds",
+            "Time from sending the decode leg to its first body byte.",
+            buckets=_LATENCY_BUCKETS,
+            registry=r,
+        )
+        self.inflight = Gauge(
+            "pdproxy_inflight_requests",
+            "Legs in flight, by role and instance (http address).",
+            ["role", "instance"],
+            registry=r,
+        )
+        self.registry_instances = Gauge(
+            "pdproxy_registry_instances",
+            "Registered instances by role.",
+            ["role"],
+            registry=r,
+        )
+        self.registry_messages = Counter(
+            "pdproxy_registry_messages",
+            "Registry frames received, by outcome (accepted/rejected) and reason.",
+            ["outcome", "reason"],
+            registry=r,
+        )
+        self.upstream_errors = Counter(
+            "pdproxy_upstream_errors",
+            "Failed legs, by role (prefill/decode) and kind (connect, timeout, status_5xx...).",
+            ["role", "kind"],
+            registry=r,
+        )
+        for role in Role:
+            self.registry_instances.labels(role.value)
+        for reason in Reason:
+            self.registry_messages.labels("rejected", reason.value)
+        self._legs: dict[tuple[str, str], int] = {}
+        self._departed: set[str] = set()
+
+    def leg_started(self, role: str, instance: str) -> None:
+        key = (role, instance)
+        self._legs[key] = self._legs.get(key, 0) + 1
+        self.inflight.labels(role, instance).inc()
+
+    def leg_finished(self, role: str, instance: str) -> None:
+        key = (role, instance)
+        left = self._legs[key] - 1
+        if left:
+            self._legs[key] = left
+            self.inflight.labels(role, instance).dec()
+            return
+        del self._legs[key]
+        if instance in self._departed:
+            self._remove_inflight(role, instance)
+        else:
+            self.inflight.labels(role, instance).set(0)
+
+    def instance_joined(self, instance: str) -> None:
+        self._departed.discard(instance)
+
+    def instance_left(self, instance: str) -> None:
+        """Drop the instance's label sets now, or when its last in-flight leg ends (removing a
+        gauge that is still decremented later would resurrect it at -1)."""
+        busy = False
+        for role in LEG_ROLES:
+            if (role, instance) in self._legs:
+                busy = True
+            else:
+                self._remove_inflight(role, instance)
+        if busy:
+            self._departed.add(instance)
+
+    def _remove_inflight(self, role: str, instance: str) -> None:
+        with contextlib.suppress(KeyError):
+            self.inflight.remove(role, instance)
+        if all((r, instance) not in self._legs for r in LEG_ROLES):
+            self._departed.discard(instance)
+
+    def render(self) -> bytes:
+        return generate_latest(self.registry)

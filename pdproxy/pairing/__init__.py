@@ -1,0 +1,1 @@
+"""Choosing a (prefill, decode) pair: compatibility, policies, the planner. Pure."""

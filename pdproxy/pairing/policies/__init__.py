@@ -1,0 +1,1 @@
+"""Selection policies: one file per policy, all behind the `Policy` protocol."""

@@ -1,0 +1,141 @@
+"""The ASGI application: built once from Settings; its lifespan builds all state.
+
+The two completion endpoints are served by a lean ASGI endpoint (the hot path); everything else
+(health, readiness, metrics, models, instances, 404s) goes through FastAPI.
+"""
+
+from __future__ import annotations
+
+import contextlib
+import logging
+import time
+from collections.abc import AsyncIterator, Callable, MutableMapping
+from dataclasses import dataclass
+from typing import Any
+
+from fastapi import FastAPI
+
+from pdproxy.config import Settings
+from pdproxy.metrics import Metrics
+from pdproxy.pairing.planner import Planner
+from pdproxy.pairing.policies.round_robin import RoundRobin
+from pdproxy.proxy.completions import CompletionsEndpoint
+from pdproxy.proxy.dispatch import Dispatcher
+from pdproxy.proxy.exchange import Scope
+from pdproxy.proxy.routes import install_routes
+from pdproxy.proxy.upstream import Upstream
+from pdproxy.registry.messages import Role
+from pdproxy.registry.server import RegistryServer
+from pdproxy.registry.table import Instance, RegistryTable, Source
+
+log = logging.getLogger("pdproxy")
+
+COMPLETION_PATHS = ("/v1/completions", "/v1/chat/completions")
+_COUNTED_PATHS = frozenset(
+    ("/health", "/ready", "/metrics", "/v1/models", "/v1/instances")
+)  # any other path is counted as "other": client-chosen paths must not grow label sets
+
+
+@dataclass
+class AppState:
+    settings: Settings
+    metrics: Metrics
+    table: RegistryTable
+    registry: RegistryServer
+    upstream: Upstream
+    planner: Planner
+    dispatcher: Dispatcher
+    clock: Callable[[], float]
+
+
+def static_instances(settings: Settings) -> list[Instance]:
+    configured = [(Role.PREFILL, spec) for spec in settings.prefill]
+    configured += [(Role.DECODE, spec) for spec in settings.decode]
+    return [
+        Instance(role, spec.http_address, spec.zmq_address, Source.STATIC, model=spec.model)
+        for role, spec in configured
+    ]
+
+
+async def build_state(settings: Settings, clock: Callable[[], float]) -> AppState:
+    metrics = Metrics()
+    table = RegistryTable(settings.ttl, settings.max_instances)
+    for instance in static_instances(settings):
+        table.add_static(instance, clock())
+        metrics.instance_joined(instance.name)
+    registry = RegistryServer(settings, table, metrics, clock)
+    registry.publish_counts()
+    registry.start()
+    upstream = Upstream(settings)
+    await upstream.start()
+    planner = Planner(RoundRobin(), RoundRobin())
+    dispatcher = Dispatcher(settings, table, planner, upstream, metrics)
+    return AppState(settings, metrics, table, registry, upstream, planner, dispatcher, clock)
+
+
+class PdproxyApp:
+    def __init__(self, settings: Settings, clock: Callable[[], float] = time.monotonic) -> None:
+        self.settings = settings
+        self._clock = clock
+        self._state: AppState | None = None
+        self._hot: dict[str, CompletionsEndpoint] = {}
+        self.api = FastAPI(lifespan=self._lifespan, docs_url=None, redoc_url=None, openapi_url=None)
+        install_routes(self.api, self)
+
+    @property
+    def state(self) -> AppState:
+        if self._state is None:
+            raise RuntimeError("pdproxy state used outside the app's lifespan")
+        return self._state
+
+    @contextlib.asynccontextmanager
+    async def _lifespan(self, _api: FastAPI) -> AsyncIterator[None]:
+        state = await build_state(self.settings, self._clock)
+        self._state = state
+        self._hot = {
+            path: CompletionsEndpoint(path, self.settings, state.dispatcher, state.metrics)
+            for path in COMPLETION_PATHS
+        }
+        log.info(
+            "pdproxy ready to serve on %s:%d (registry %s)",
+            self.settings.host,
+            self.settings.port,
+            self.settings.registry_bind,
+        )
+        try:
+            yield
+        finally:
+            self._hot = {}
+            await state.registry.stop()
+            await state.upstream.close()
+            self._state = None
+
+    async def __call__(self, scope: Scope, receive: Any, send: Any) -> None:
+        if scope["type"] != "http":
+            await self.api(scope, receive, send)
+            return
+        endpoint = self._hot.get(scope["path"])
+        if endpoint is not None:
+            await endpoint(scope, receive, send)
+            return
+        await self._counted(scope, receive, send)
+
+    async def _counted(self, scope: Scope, receive: Any, send: Any) -> None:
+        status = 500
+
+        async def recording_send(message: MutableMapping[str, Any]) -> None:
+            nonlocal status
+            if message["type"] == "http.response.start":
+                status = message["status"]
+            await send(message)
+
+        try:
+            await self.api(scope, receive, recording_send)
+        finally:
+            if self._state is not None:
+                path = scope["path"] if scope["path"] in _COUNTED_PATHS else "other"
+                self._state.metrics.requests.labels(path, str(status)).inc()
+
+
+def create_app(settings: Settings) -> PdproxyApp:
+    return PdproxyApp(settings)

@@ -1,0 +1,102 @@
+"""POST /v1/completions and /v1/chat/completions: the hot path, as a lean ASGI endpoint.
+
+Reads and validates the body, hands it to the Dispatcher under the whole-request deadline,
+and guarantees exactly one complete answer whatever happens: OpenAI-shaped errors, no
+tracebacks, and a client that leaves cancels everything it started.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import logging
+import time
+from typing import Any
+
+from pdproxy.config import Settings
+from pdproxy.metrics import Metrics
+from pdproxy.proxy.dispatch import Dispatcher
+from pdproxy.proxy.errors import ProxyError
+from pdproxy.proxy.exchange import ClientGone, Exchange, Scope
+from pdproxy.proxy.request import parse_completion
+
+log = logging.getLogger("pdproxy.proxy")
+
+CLIENT_CLOSED = 499  # nginx's convention: the client went away before the answer was complete
+_MAX_ECHO_ID = 256
+
+
+class CompletionsEndpoint:
+    def __init__(
+        self, path: str, settings: Settings, dispatcher: Dispatcher, metrics: Metrics
+    ) -> None:
+        self._path = path
+        self._settings = settings
+        self._dispatcher = dispatcher
+        self._requests = metrics.requests
+        self._duration = metrics.request_duration.labels(path)
+
+    async def __call__(self, scope: Scope, receive: Any, send: Any) -> None:
+        started = time.perf_counter()
+        client_id, authorization, length = _read_headers(scope["headers"])
+        exchange = Exchange(scope, receive, send, client_id)
+        try:
+            if scope["method"] != "POST":
+                raise ProxyError(405, f"method {scope['method']} not allowed; use POST")
+            body = await exchange.read_body(self._settings.max_body_bytes, length)
+            request = parse_completion(self._path, body)
+            exchange.watch_disconnect()
+            async with asyncio.timeout(self._settings.request_timeout):
+                await self._dispatcher.serve(request, exchange, authorization)
+        except ProxyError as exc:
+            self._log_failure(exc, client_id, exchange.request_id)
+            await exchange.fail(exc)
+        except TimeoutError:
+            await exchange.fail(
+                ProxyError(
+                    504,
+                    f"request took longer than {self._settings.request_timeout:g}s",
+                    code="request_timeout",
+                )
+            )
+        except ClientGone:
+            exchange.client_gone = True
+        except asyncio.CancelledError:
+            if not exchange.client_gone:
+                raise
+            # Our own disconnect watch cancelled the legs; the request ends here, quietly.
+            task = asyncio.current_task()
+            if task is not None:
+                task.uncancel()
+        except Exception:
+            log.exception("unexpected error serving %s (client id %r)", self._path, client_id)
+            await exchange.fail(ProxyError(500, "internal error in pdproxy", code="internal"))
+        finally:
+            exchange.stop_watching()
+            status = CLIENT_CLOSED if exchange.client_gone else exchange.status
+            self._requests.labels(self._path, _STATUS_TEXT.get(status) or str(status)).inc()
+            self._duration.observe(time.perf_counter() - started)
+
+    @staticmethod
+    def _log_failure(exc: ProxyError, client_id: bytes | None, request_id: str) -> None:
+        log.warning(
+            "%d %s (client id %r, request id %s)",
+            exc.status,
+            exc.message,
+            client_id.decode("latin-1") if client_id else None,
+            request_id or "-",
+        )
+
+
+_STATUS_TEXT = {code: str(code) for code in (200, 400, 404, 413, 499, 502, 503, 504)}
+
+
+def _read_headers(raw: list[tuple[bytes, bytes]]) -> tuple[bytes | None, str | None, int | None]:
+    client_id = authorization = length = None
+    for name, value in raw:
+        if name == b"x-request-id":
+            client_id = value[:_MAX_ECHO_ID]
+        elif name == b"authorization":
+            authorization = value.decode("latin-1")
+        elif name == b"content-length" and value.isdigit():
+            length = int(value)
+    return client_id, authorization, length

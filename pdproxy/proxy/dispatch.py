@@ -1,0 +1,183 @@
+"""The two legs of a disaggregated request: prefill (max_tokens=1, read and discarded), then
+decode (the client's body, relayed as it streams).
+
+Both legs carry the same tagged X-Request-Id so the P and D workers find each other. A failed
+prefill never sends decode (vLLM's example proxy goes on to decode, which then waits forever).
+"""
+
+from __future__ import annotations
+
+import asyncio
+import logging
+import os
+import time
+from collections.abc import Callable
+
+from pdproxy.config import Settings
+from pdproxy.ids import build_request_id
+from pdproxy.metrics import Metrics
+from pdproxy.pairing.planner import NoPair, Pair, Planner
+from pdproxy.proxy.errors import ProxyError
+from pdproxy.proxy.exchange import Exchange
+from pdproxy.proxy.request import CompletionRequest
+from pdproxy.proxy.upstream import Reply, Upstream, UpstreamError
+from pdproxy.registry.table import Instance, RegistryTable
+
+log = logging.getLogger("pdproxy.dispatch")
+
+PREFILL = "prefill"
+DECODE = "decode"
+_ERROR_SNIPPET = 300
+
+
+class Dispatcher:
+    def __init__(
+        self,
+        settings: Settings,
+        table: RegistryTable,
+        planner: Planner,
+        upstream: Upstream,
+        metrics: Metrics,
+        new_uid: Callable[[], str] = lambda: os.urandom(16).hex(),
+    ) -> None:
+        self._settings = settings
+        self._table = table
+        self._planner = planner
+        self._upstream = upstream
+        self._metrics = metrics
+        self._new_uid = new_uid
+        self._retry_after = ((b"retry-after", str(settings.retry_after_seconds).encode()),)
+        key = settings.upstream_api_key
+        self._upstream_auth = None if key is None else f"Bearer {key.get_secret_value()}"
+
+    def choose(self, model: str) -> Pair:
+        choice = self._planner.plan(self._table.snapshot(), model)
+        if isinstance(choice, NoPair):
+            raise ProxyError(503, choice.reason, code="no_instance", headers=self._retry_after)
+        return choice
+
+    def leg_headers(self, request_id: str, authorization: str | None) -> dict[str, str]:
+        headers = {"Content-Type": "application/json", "X-Request-Id": request_id}
+        auth = self._upstream_auth or authorization
+        if auth:
+            headers["Authorization"] = auth
+        return headers
+
+    async def serve(
+        self, request: CompletionRequest, exchange: Exchange, authorization: str | None
+    ) -> None:
+        """Run both legs and answer the client through `exchange`."""
+        pair = self.choose(request.model)
+        request_id = build_request_id(
+            pair.prefill.zmq_address, pair.decode.zmq_address, self._new_uid()
+        )
+        exchange.request_id = request_id
+        headers = self.leg_headers(request_id, authorization)
+        rejection = await self._prefill(pair.prefill, request, headers)
+        if rejection is not None:
+            # vLLM refused the request (4xx): the client gets vLLM's own words.
+            await exchange.whole(rejection.status, rejection.content_type.encode(), rejection.body)
+            return
+        await self._decode(pair.decode, request, headers, exchange)
+
+    async def _prefill(
+        self, instance: Instance, request: CompletionRequest, headers: dict[str, str]
+    ) -> Reply | None:
+        settings = self._settings
+        started = time.perf_counter()
+        self._metrics.leg_started(PREFILL, instance.name)
+        try:
+            async with asyncio.timeout(settings.prefill_timeout):
+                reply = await self._upstream.post(
+                    instance.base_url + request.path,
+                    request.prefill_body(),
+                    headers,
+                    settings.max_response_bytes,
+                )
+        except TimeoutError:
+            raise self._leg_failed(
+                PREFILL, instance, "timeout", f"no answer within {settings.prefill_timeout:g}s"
+            ) from None
+        except UpstreamError as exc:
+            raise self._leg_failed(PREFILL, instance, exc.kind, exc.detail) from None
+        finally:
+            self._metrics.leg_finished(PREFILL, instance.name)
+        self._metrics.prefill_duration.observe(time.perf_counter() - started)
+        if 200 <= reply.status < 300:
+            return None
+        if 400 <= reply.status < 500:
+            return reply
+        raise self._leg_failed(
+            PREFILL, instance, _status_kind(reply.status), _answered(reply.status, reply.body)
+        )
+
+    async def _decode(
+        self,
+        instance: Instance,
+        request: CompletionRequest,
+        headers: dict[str, str],
+        exchange: Exchange,
+    ) -> None:
+        settings = self._settings
+        loop = asyncio.get_running_loop()
+        started = time.perf_counter()
+        # Streams must show a first byte soon (a KV handoff that hangs shows up here); a
+        # non-streaming answer arrives whole at the end, so only the request timeout bounds it.
+        first_byte_limit = settings.decode_first_byte_timeout if request.stream else None
+        waited_for = "first byte"
+        self._metrics.leg_started(DECODE, instance.name)
+        try:
+            async with asyncio.timeout(
+                None if first_byte_limit is None else loop.time() + first_byte_limit
+            ) as deadline:
+                async with self._upstream.stream(
+                    "POST", instance.base_url + request.path, request.body, headers
+                ) as stream:
+                    if not 200 <= stream.status < 300:
+                        body = await stream.read_all(settings.max_response_bytes)
+                        if 400 <= stream.status < 500:
+                            await exchange.whole(stream.status, stream.content_type.encode(), body)
+                            return
+                        raise self._leg_failed(
+                            DECODE, instance, _status_kind(stream.status),
+                            _answered(stream.status, body),
+                        )  # fmt: skip
+                    if not request.stream:
+                        body = await stream.read_all(settings.max_response_bytes)
+                        self._metrics.decode_first_byte.observe(time.perf_counter() - started)
+                        await exchange.whole(stream.status, stream.content_type.encode(), body)
+                        return
+                    chunk = await stream.next_chunk()
+                    self._metrics.decode_first_byte.observe(time.perf_counter() - started)
+                    await exchange.start_stream(stream.status, stream.content_type.encode())
+                    waited_for = "next chunk"
+                    idle = settings.stream_idle_timeout
+                    while chunk:
+                        await exchange.chunk(chunk)
+                        deadline.reschedule(loop.time() + idle)
+                        chunk = await stream.next_chunk()
+                    await exchange.end_stream()
+        except TimeoutError:
+            limit = first_byte_limit if waited_for == "first byte" else settings.stream_idle_timeout
+            raise self._leg_failed(
+                DECODE, instance, "timeout", f"no {waited_for} within {limit:g}s"
+            ) from None
+        except UpstreamError as exc:
+            raise self._leg_failed(DECODE, instance, exc.kind, exc.detail) from None
+        finally:
+            self._metrics.leg_finished(DECODE, instance.name)
+
+    def _leg_failed(self, role: str, instance: Instance, kind: str, detail: str) -> ProxyError:
+        self._metrics.upstream_errors.labels(role, kind).inc()
+        return ProxyError(
+            502, f"{role} instance {instance.name} failed: {detail}", code=f"{role}_{kind}"
+        )
+
+
+def _status_kind(status: int) -> str:
+    return "status_5xx" if status >= 500 else "status_other"
+
+
+def _answered(status: int, body: bytes) -> str:
+    text = body[:_ERROR_SNIPPET].decode("utf-8", errors="replace")
+    return f"answered HTTP {status}: {text}" if text else f"answered HTTP {status}"

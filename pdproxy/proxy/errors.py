@@ -1,0 +1,58 @@
+"""OpenAI-shaped errors: `{"error": {"message", "type", "param", "code"}}`, never a traceback."""
+
+from __future__ import annotations
+
+import orjson
+
+_TYPES = {
+    400: "invalid_request_error",
+    404: "not_found_error",
+    405: "invalid_request_error",
+    408: "timeout_error",
+    413: "invalid_request_error",
+    429: "rate_limit_error",
+    499: "client_closed_request",
+    500: "internal_error",
+    502: "upstream_error",
+    503: "service_unavailable",
+    504: "timeout_error",
+}
+
+
+class ProxyError(Exception):
+    """A request failed in a way the client must hear about, with this status and body."""
+
+    def __init__(
+        self,
+        status: int,
+        message: str,
+        *,
+        code: str | None = None,
+        param: str | None = None,
+        headers: tuple[tuple[bytes, bytes], ...] = (),
+    ) -> None:
+        super().__init__(message)
+        self.status = status
+        self.message = message
+        self.code = code
+        self.param = param
+        self.headers = headers
+
+    def body(self) -> bytes:
+        return error_body(self.status, self.message, code=self.code, param=self.param)
+
+
+def error_body(status: int, message: str, *, code: str | None = None, param: str | None = None
+               ) -> bytes:  # fmt: skip
+    return orjson.dumps(
+        {
+            "error": {
+                "message": message,
+                "type": _TYPES.get(
+                    status, "upstream_error" if status >= 500 else "invalid_request_error"
+                ),
+                "param": param,
+                "code": code if code is not None else status,
+            }
+        }
+    )

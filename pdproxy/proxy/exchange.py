@@ -1,0 +1,152 @@
+"""One client exchange at the ASGI level: read the body, watch for the client leaving, send
+exactly one complete response (or, once streaming, end the stream cleanly on failure).
+
+The completion endpoints bypass FastAPI and speak ASGI directly: this object is the small
+amount of Starlette's StreamingResponse they need, plus a disconnect watch that cancels the
+request's task, so an abandoned request stops its upstream legs at once.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import contextlib
+from typing import Any
+
+from pdproxy.proxy.errors import ProxyError, error_body
+
+Scope = dict[str, Any]
+Message = dict[str, Any]
+Headers = list[tuple[bytes, bytes]]
+
+JSON = b"application/json"
+SSE_DONE = b"data: [DONE]\n\n"
+
+
+class ClientGone(Exception):
+    """The client disconnected before its request was read."""
+
+
+class Exchange:
+    def __init__(self, scope: Scope, receive: Any, send: Any, echo_id: bytes | None) -> None:
+        self._receive = receive
+        self._send = send
+        self._echo_id = echo_id
+        self.status = 0
+        self.started = False
+        self.complete = False
+        self.client_gone = False
+        self.request_id = ""  # the tagged id, once a pair was chosen (for logs)
+        self._streaming = False
+        self._watcher: asyncio.Task[None] | None = None
+
+    # -- request -----------------------------------------------------------------------------
+
+    async def read_body(self, limit: int, declared_length: int | None) -> bytes:
+        if declared_length is not None and declared_length > limit:
+            raise _too_large(limit)
+        message = await self._receive()
+        if message["type"] == "http.disconnect":
+            raise ClientGone
+        body: bytes = message.get("body", b"")
+        if len(body) > limit:
+            raise _too_large(limit)
+        if not message.get("more_body", False):
+            return body
+        parts = [body]
+        size = len(body)
+        while message.get("more_body", False):
+            message = await self._receive()
+            if message["type"] == "http.disconnect":
+                raise ClientGone
+            chunk = message.get("body", b"")
+            size += len(chunk)
+            if size > limit:
+                raise _too_large(limit)
+            parts.append(chunk)
+        return b"".join(parts)
+
+    def watch_disconnect(self) -> None:
+        """From now on, a client disconnect cancels the current task (call after read_body)."""
+        task = asyncio.current_task()
+        assert task is not None
+        self._watcher = asyncio.get_running_loop().create_task(self._watch(task))
+
+    async def _watch(self, task: asyncio.Task[Any]) -> None:
+        while True:
+            message = await self._receive()
+            if message["type"] == "http.disconnect":
+                # The server also reports "disconnect" once our response is complete.
+                if not self.complete:
+                    self.client_gone = True
+                    task.cancel()
+                return
+
+    def stop_watching(self) -> None:
+        if self._watcher is not None and not self._watcher.done():
+            self._watcher.cancel()
+        self._watcher = None
+
+    # -- response ----------------------------------------------------------------------------
+
+    def _headers(self, content_type: bytes, extra: tuple[tuple[bytes, bytes], ...]) -> Headers:
+        headers = [(b"content-type", content_type)]
+        # The client's own id if it sent one (kept for its logs), else the tagged id.
+        echo = self._echo_id or self.request_id.encode()
+        if echo:
+            headers.append((b"x-request-id", echo))
+        headers.extend(extra)
+        return headers
+
+    async def start_stream(self, status: int, content_type: bytes) -> None:
+        self.status = status
+        self.started = True
+        self._streaming = True
+        await self._send(
+            {
+                "type": "http.response.start",
+                "status": status,
+                "headers": self._headers(content_type, ((b"cache-control", b"no-cache"),)),
+            }
+        )
+
+    async def chunk(self, data: bytes) -> None:
+        await self._send({"type": "http.response.body", "body": data, "more_body": True})
+
+    async def end_stream(self, data: bytes = b"") -> None:
+        self.complete = True
+        await self._send({"type": "http.response.body", "body": data, "more_body": False})
+
+    async def whole(
+        self,
+        status: int,
+        content_type: bytes,
+        body: bytes,
+        extra: tuple[tuple[bytes, bytes], ...] = (),
+    ) -> None:
+        self.status = status
+        self.started = True
+        headers = self._headers(content_type, extra)
+        headers.append((b"content-length", str(len(body)).encode()))
+        await self._send({"type": "http.response.start", "status": status, "headers": headers})
+        self.complete = True
+        await self._send({"type": "http.response.body", "body": body, "more_body": False})
+
+    async def fail(self, error: ProxyError) -> None:
+        """Answer with an OpenAI-shaped error, or end a stream already under way with an SSE
+        error event and [DONE] (its status can no longer change)."""
+        if self.complete:
+            return
+        if self._streaming:
+            event = b"data: " + error_body(error.status, error.message, code=error.code) + b"\n\n"
+            with contextlib.suppress(Exception):
+                await self.end_stream(event + SSE_DONE)
+            return
+        if self.started:  # headers out, body not: nothing valid can follow
+            return
+        await self.whole(error.status, JSON, error.body(), error.headers)
+
+
+def _too_large(limit: int) -> ProxyError:
+    return ProxyError(
+        413, f"request body is larger than the limit of {limit} bytes", code="body_too_large"
+    )

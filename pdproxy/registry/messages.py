@@ -1,0 +1,253 @@
+"""Decoding and validation of registry frames (DESIGN.md section 3). Pure: bytes in, value out.
+
+v0 is exactly what stock vLLM's P2pNcclEngine sends; v1 is pdproxy's superset. Anything else
+is rejected with one of a small, fixed set of reasons, so a metric labelled by reason stays
+bounded whatever a hostile sender writes.
+"""
+
+from __future__ import annotations
+
+import math
+from dataclasses import dataclass
+from enum import StrEnum
+from typing import Any
+
+import msgpack
+
+from pdproxy.ids import Address, AddressError, parse_address
+
+
+class Role(StrEnum):
+    PREFILL = "P"
+    DECODE = "D"
+
+
+class Connector(StrEnum):
+    P2P_NCCL = "p2p_nccl"
+    NIXL = "nixl"
+    PDPROXY = "pdproxy"
+
+
+class Reason(StrEnum):
+    """Why a frame was rejected. Fixed set: it labels a metric."""
+
+    NOT_MSGPACK = "not_msgpack"
+    FRAMING = "framing"
+    NOT_A_MAP = "not_a_map"
+    MISSING_FIELD = "missing_field"
+    WRONG_TYPE = "wrong_type"
+    UNKNOWN_TYPE = "unknown_type"
+    UNKNOWN_OP = "unknown_op"
+    UNKNOWN_CONNECTOR = "unknown_connector"
+    UNSUPPORTED_VERSION = "unsupported_version"
+    BAD_ADDRESS = "bad_address"
+    BAD_GEOMETRY = "bad_geometry"
+    BAD_LOAD = "bad_load"
+    CAPACITY = "capacity"
+    STATIC_CONFLICT = "static_conflict"
+
+
+class Rejected(ValueError):
+    def __init__(self, reason: Reason, detail: str) -> None:
+        super().__init__(f"{reason.value}: {detail}")
+        self.reason = reason
+        self.detail = detail
+
+
+@dataclass(frozen=True, slots=True)
+class Geometry:
+    """KV-cache geometry an instance announced; every field optional (unknown if None)."""
+
+    tp_size: int | None = None
+    block_size: int | None = None
+    num_layers: int | None = None
+    num_kv_heads: int | None = None
+    head_dim: int | None = None
+    kv_dtype: str | None = None
+    is_mla: bool | None = None
+    kv_layout: str | None = None
+
+
+@dataclass(frozen=True, slots=True)
+class Load:
+    running: int | None = None
+    waiting: int | None = None
+    kv_usage: float | None = None
+
+
+@dataclass(frozen=True, slots=True)
+class Announcement:
+    version: int  # 0 (stock vLLM) or 1 (pdproxy)
+    role: Role
+    http_address: Address
+    zmq_address: Address
+    model: str | None = None
+    connector: Connector | None = None
+    geometry: Geometry | None = None
+    load: Load | None = None
+
+
+@dataclass(frozen=True, slots=True)
+class Leave:
+    http_address: Address
+
+
+Message = Announcement | Leave
+
+MAX_MODEL_NAME = 256
+_INT_GEOMETRY_FIELDS = ("tp_size", "block_size", "num_layers", "num_kv_heads", "head_dim")
+_KV_LAYOUTS = ("NHD", "HND")
+MAX_DTYPE_NAME = 32
+
+
+def decode_frame(frame: bytes) -> Message:
+    """Decode one registry frame or raise Rejected."""
+    try:
+        payload = msgpack.unpackb(frame, raw=False, strict_map_key=False)
+    except Exception as exc:  # msgpack raises many unrelated types on garbage
+        raise Rejected(Reason.NOT_MSGPACK, type(exc).__name__) from None
+    return parse_message(payload)
+
+
+def parse_message(payload: object) -> Message:
+    if not isinstance(payload, dict):
+        raise Rejected(Reason.NOT_A_MAP, f"expected a map, got {type(payload).__name__}")
+    version = payload.get("v", 0)
+    if version == 0 and "v" not in payload:
+        return _announcement(payload, version=0)
+    if version != 1 or isinstance(version, bool):
+        raise Rejected(Reason.UNSUPPORTED_VERSION, f"unsupported v={_short(version)}")
+    op = payload.get("op", "announce")
+    if op == "announce":
+        return _announcement(payload, version=1)
+    if op == "leave":
+        return Leave(_address(payload, "http_address"))
+    raise Rejected(Reason.UNKNOWN_OP, f"unknown op {_short(op)}")
+
+
+def _announcement(payload: dict[Any, Any], version: int) -> Announcement:
+    role_value = _required_str(payload, "type")
+    try:
+        role = Role(role_value)
+    except ValueError:
+        raise Rejected(
+            Reason.UNKNOWN_TYPE, f"type must be 'P' or 'D', got {_short(role_value)}"
+        ) from None
+    http_address = _address(payload, "http_address")
+    zmq_address = _address(payload, "zmq_address")
+    if version == 0:
+        return Announcement(0, role, http_address, zmq_address)
+    return Announcement(
+        version=1,
+        role=role,
+        http_address=http_address,
+        zmq_address=zmq_address,
+        model=_model(payload.get("model")),
+        connector=_connector(payload.get("connector")),
+        geometry=_geometry(payload.get("geometry")),
+        load=_load(payload.get("load")),
+    )
+
+
+def _required_str(payload: dict[Any, Any], key: str) -> str:
+    if key not in payload:
+        raise Rejected(Reason.MISSING_FIELD, f"missing field {key!r}")
+    value = payload[key]
+    if not isinstance(value, str):
+        raise Rejected(Reason.WRONG_TYPE, f"{key!r} must be a string, got {type(value).__name__}")
+    return value
+
+
+def _address(payload: dict[Any, Any], key: str) -> Address:
+    text = _required_str(payload, key)
+    try:
+        return parse_address(text)
+    except AddressError as exc:
+        raise Rejected(Reason.BAD_ADDRESS, f"{key} {_short(text)}: {exc}") from None
+
+
+def _model(value: object) -> str | None:
+    if value is None:
+        return None
+    if not isinstance(value, str) or not value or len(value) > MAX_MODEL_NAME:
+        raise Rejected(Reason.WRONG_TYPE, "'model' must be a non-empty string (<= 256 chars)")
+    return value
+
+
+def _connector(value: object) -> Connector | None:
+    if value is None:
+        return None
+    if not isinstance(value, str):
+        raise Rejected(Reason.WRONG_TYPE, "'connector' must be a string")
+    try:
+        return Connector(value)
+    except ValueError:
+        raise Rejected(Reason.UNKNOWN_CONNECTOR, f"unknown connector {_short(value)}") from None
+
+
+def _geometry(value: object) -> Geometry | None:
+    if value is None:
+        return None
+    if not isinstance(value, dict):
+        raise Rejected(Reason.BAD_GEOMETRY, "'geometry' must be a map")
+    fields: dict[str, Any] = {}
+    for key in _INT_GEOMETRY_FIELDS:
+        item = value.get(key)
+        if item is None:
+            continue
+        if not _is_int(item) or item < 1:
+            raise Rejected(Reason.BAD_GEOMETRY, f"geometry.{key} must be a positive integer")
+        fields[key] = item
+    dtype = value.get("kv_dtype")
+    if dtype is not None:
+        if not isinstance(dtype, str) or not dtype or len(dtype) > MAX_DTYPE_NAME:
+            raise Rejected(Reason.BAD_GEOMETRY, "geometry.kv_dtype must be a short string")
+        fields["kv_dtype"] = dtype
+    is_mla = value.get("is_mla")
+    if is_mla is not None:
+        if not isinstance(is_mla, bool):
+            raise Rejected(Reason.BAD_GEOMETRY, "geometry.is_mla must be a boolean")
+        fields["is_mla"] = is_mla
+    layout = value.get("kv_layout")
+    if layout is not None:
+        if layout not in _KV_LAYOUTS:
+            raise Rejected(Reason.BAD_GEOMETRY, "geometry.kv_layout must be 'NHD' or 'HND'")
+        fields["kv_layout"] = layout
+    return Geometry(**fields)
+
+
+def _load(value: object) -> Load | None:
+    if value is None:
+        return None
+    if not isinstance(value, dict):
+        raise Rejected(Reason.BAD_LOAD, "'load' must be a map")
+    counts: dict[str, int] = {}
+    for key in ("running", "waiting"):
+        item = value.get(key)
+        if item is None:
+            continue
+        if not _is_int(item) or item < 0:
+            raise Rejected(Reason.BAD_LOAD, f"load.{key} must be a non-negative integer")
+        counts[key] = item
+    usage = value.get("kv_usage")
+    if usage is not None and (
+        isinstance(usage, bool)
+        or not isinstance(usage, int | float)
+        or not math.isfinite(usage)
+        or not 0.0 <= usage <= 1.0
+    ):
+        raise Rejected(Reason.BAD_LOAD, "load.kv_usage must be a number in [0, 1]")
+    return Load(
+        running=counts.get("running"),
+        waiting=counts.get("waiting"),
+        kv_usage=None if usage is None else float(usage),
+    )
+
+
+def _is_int(value: object) -> bool:
+    return isinstance(value, int) and not isinstance(value, bool)
+
+
+def _short(value: object, limit: int = 64) -> str:
+    text = repr(value)
+    return text if len(text) <= limit else text[: limit - 3] + "..."

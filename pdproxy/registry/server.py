@@ -1,0 +1,185 @@
+"""The registry's I/O shell: a ZMQ ROUTER socket feeding the pure RegistryTable, plus the sweep
+that expires silent instances even when no message ever arrives again.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import contextlib
+import logging
+import time
+from collections import OrderedDict
+from collections.abc import Callable
+
+import zmq
+import zmq.asyncio
+
+from pdproxy.config import Settings
+from pdproxy.metrics import Metrics
+from pdproxy.registry.messages import Announcement, Reason, Rejected, Role, decode_frame
+from pdproxy.registry.table import Change, Instance, RegistryTable, Source
+
+log = logging.getLogger("pdproxy.registry")
+
+# How many messages to handle back to back before yielding to the HTTP side: a flood of
+# announcements must not starve request handling (pyzmq returns ready frames without yielding).
+_BATCH = 64
+_MAX_LOGGED_SENDERS = 1024
+
+
+class RejectionLog:
+    """Log each (sender, reason) once; remembers a bounded number of senders."""
+
+    def __init__(self, capacity: int = _MAX_LOGGED_SENDERS) -> None:
+        self._seen: OrderedDict[tuple[bytes, Reason], None] = OrderedDict()
+        self._capacity = capacity
+
+    def first_time(self, sender: bytes, reason: Reason) -> bool:
+        key = (sender[:128], reason)
+        if key in self._seen:
+            self._seen.move_to_end(key)
+            return False
+        self._seen[key] = None
+        if len(self._seen) > self._capacity:
+            self._seen.popitem(last=False)
+        return True
+
+
+class RegistryServer:
+    def __init__(
+        self,
+        settings: Settings,
+        table: RegistryTable,
+        metrics: Metrics,
+        clock: Callable[[], float] = time.monotonic,
+    ) -> None:
+        self._settings = settings
+        self._table = table
+        self._metrics = metrics
+        self._clock = clock
+        self._rejections = RejectionLog()
+        self._context: zmq.asyncio.Context | None = None
+        self._socket: zmq.asyncio.Socket | None = None
+        self._tasks: list[asyncio.Task[None]] = []
+
+    @property
+    def sweep_interval(self) -> float:
+        return min(1.0, self._table.ttl / 4)
+
+    def start(self) -> None:
+        """Bind and start the receive and sweep loops (raises if the address is taken)."""
+        self._context = zmq.asyncio.Context()
+        sock = self._context.socket(zmq.ROUTER)
+        sock.setsockopt(zmq.LINGER, 0)
+        sock.setsockopt(zmq.MAXMSGSIZE, self._settings.registry_max_message_bytes)
+        sock.setsockopt(zmq.RCVHWM, 10_000)
+        try:
+            sock.bind(self._settings.registry_bind)
+        except zmq.ZMQError as exc:
+            sock.close()
+            self._context.term()
+            raise OSError(f"cannot bind registry on {self._settings.registry_bind}: {exc}") from exc
+        self._socket = sock
+        self._tasks = [
+            asyncio.create_task(self._receive_loop(sock), name="registry-receive"),
+            asyncio.create_task(self._sweep_loop(), name="registry-sweep"),
+        ]
+        log.info("registry listening on %s (ttl %.1fs)", self._settings.registry_bind,
+                 self._table.ttl)  # fmt: skip
+
+    async def stop(self) -> None:
+        for task in self._tasks:
+            task.cancel()
+        for task in self._tasks:
+            with contextlib.suppress(asyncio.CancelledError):
+                await task
+        self._tasks = []
+        if self._socket is not None:
+            self._socket.close(linger=0)
+            self._socket = None
+        if self._context is not None:
+            self._context.term()
+            self._context = None
+
+    async def _receive_loop(self, sock: zmq.asyncio.Socket) -> None:
+        handled = 0
+        while True:
+            frames = await sock.recv_multipart(copy=True)
+            try:
+                self.handle(frames)
+            except Exception:  # a bug here must not kill the registry
+                log.exception("registry: unexpected error handling a frame")
+            handled += 1
+            if handled % _BATCH == 0:
+                await asyncio.sleep(0)
+
+    def handle(self, frames: list[bytes]) -> None:
+        """Process one ROUTER message: [sender identity, payload]."""
+        sender = frames[0] if frames else b""
+        try:
+            if len(frames) != 2:
+                raise Rejected(Reason.FRAMING, f"expected 1 payload frame, got {len(frames) - 1}")
+            message = decode_frame(frames[1])
+            now = self._clock()
+            if isinstance(message, Announcement):
+                change, instance = self._table.announce(message, now)
+                self._on_announced(change, instance)
+            else:
+                gone = self._table.remove(message.http_address)
+                if gone is not None:
+                    log.info("registry: %s %s left", _role_name(gone), gone.name)
+                    self._on_departed(gone)
+        except Rejected as exc:
+            self._metrics.registry_messages.labels("rejected", exc.reason.value).inc()
+            if self._rejections.first_time(sender, exc.reason):
+                log.warning("registry: rejected a message from %r: %s", sender[:128], exc)
+            return
+        self._metrics.registry_messages.labels("accepted", "ok").inc()
+
+    def _on_announced(self, change: Change, instance: Instance) -> None:
+        if change is Change.REGISTERED:
+            log.info(
+                "registry: %s %s registered (zmq %s, %s%s)",
+                _role_name(instance),
+                instance.name,
+                instance.zmq_address,
+                instance.source.value,
+                f", model {instance.model}" if instance.model else "",
+            )
+            self._metrics.instance_joined(instance.name)
+        if change is not Change.REFRESHED:
+            self.publish_counts()
+
+    def _on_departed(self, instance: Instance) -> None:
+        self._metrics.instance_left(instance.name)
+        self.publish_counts()
+
+    def publish_counts(self) -> None:
+        snapshot = self._table.snapshot()
+        self._metrics.registry_instances.labels(Role.PREFILL.value).set(len(snapshot.prefills))
+        self._metrics.registry_instances.labels(Role.DECODE.value).set(len(snapshot.decodes))
+
+    def sweep(self) -> list[Instance]:
+        expired = self._table.expire(self._clock())
+        for instance in expired:
+            log.warning(
+                "registry: %s %s expired (no message for %.1fs)",
+                _role_name(instance),
+                instance.name,
+                self._table.ttl,
+            )
+            self._on_departed(instance)
+        return expired
+
+    async def _sweep_loop(self) -> None:
+        while True:
+            await asyncio.sleep(self.sweep_interval)
+            try:
+                self.sweep()
+            except Exception:
+                log.exception("registry: sweep failed")
+
+
+def _role_name(instance: Instance) -> str:
+    kind = "static " if instance.source is Source.STATIC else ""
+    return kind + ("prefill" if instance.role is Role.PREFILL else "decode")

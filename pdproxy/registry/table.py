@@ -1,0 +1,189 @@
+"""The registry table: who is registered, since when, until when. Pure; the caller passes `now`.
+
+An instance is keyed by its HTTP address (as vLLM's example proxy does). Heartbeats that change
+nothing only move `last_seen`, so the immutable Snapshot the planner reads is rebuilt only when
+membership or announced content changes.
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass, field, replace
+from enum import StrEnum
+
+from pdproxy.ids import Address
+from pdproxy.registry.messages import (
+    Announcement,
+    Connector,
+    Geometry,
+    Load,
+    Reason,
+    Rejected,
+    Role,
+)
+
+
+class Source(StrEnum):
+    STATIC = "static"
+    V0 = "v0"
+    V1 = "v1"
+
+
+@dataclass(frozen=True, slots=True)
+class Instance:
+    role: Role
+    http_address: Address
+    zmq_address: Address
+    source: Source
+    model: str | None = None
+    connector: Connector | None = None
+    geometry: Geometry | None = None
+    load: Load | None = None
+    base_url: str = field(init=False, compare=False)
+
+    def __post_init__(self) -> None:
+        object.__setattr__(self, "base_url", f"http://{self.http_address}")
+
+    @property
+    def name(self) -> str:
+        """The label this instance carries in logs, metrics and errors."""
+        return str(self.http_address)
+
+    def serves(self, model: str) -> bool:
+        # A v0 or static instance without a model announced serves whatever it is asked.
+        return self.model is None or self.model == model
+
+
+class Change(StrEnum):
+    REGISTERED = "registered"
+    UPDATED = "updated"
+    REFRESHED = "refreshed"
+
+
+@dataclass(frozen=True, slots=True)
+class Entry:
+    instance: Instance
+    first_seen: float
+    last_seen: float
+
+
+@dataclass(frozen=True, slots=True)
+class Snapshot:
+    """An immutable view of the fleet at one moment: what the planner decides on."""
+
+    version: int
+    prefills: tuple[Instance, ...]
+    decodes: tuple[Instance, ...]
+
+
+def instance_from(announcement: Announcement) -> Instance:
+    return Instance(
+        role=announcement.role,
+        http_address=announcement.http_address,
+        zmq_address=announcement.zmq_address,
+        source=Source.V1 if announcement.version == 1 else Source.V0,
+        model=announcement.model,
+        connector=announcement.connector,
+        geometry=announcement.geometry,
+        load=announcement.load,
+    )
+
+
+class RegistryTable:
+    def __init__(self, ttl: float, max_instances: int) -> None:
+        if ttl <= 0:
+            raise ValueError("ttl must be positive")
+        if max_instances < 1:
+            raise ValueError("max_instances must be at least 1")
+        self._ttl = ttl
+        self._max = max_instances
+        self._entries: dict[Address, Entry] = {}
+        self._static: set[Address] = set()
+        self._version = 0
+        self._snapshot: Snapshot | None = Snapshot(0, (), ())
+
+    @property
+    def ttl(self) -> float:
+        return self._ttl
+
+    def __len__(self) -> int:
+        return len(self._entries)
+
+    def add_static(self, instance: Instance, now: float) -> None:
+        if instance.source is not Source.STATIC:
+            instance = replace(instance, source=Source.STATIC)
+        if instance.http_address not in self._entries and len(self._entries) >= self._max:
+            raise Rejected(Reason.CAPACITY, f"registry is full ({self._max} instances)")
+        self._static.add(instance.http_address)
+        self._entries[instance.http_address] = Entry(instance, now, now)
+        self._changed()
+
+    def announce(self, announcement: Announcement, now: float) -> tuple[Change, Instance]:
+        """Register or refresh an instance. Raises Rejected when the table is full."""
+        key = announcement.http_address
+        incoming = instance_from(announcement)
+        entry = self._entries.get(key)
+        if entry is None:
+            if len(self._entries) >= self._max:
+                raise Rejected(Reason.CAPACITY, f"registry is full ({self._max} instances)")
+            self._entries[key] = Entry(incoming, now, now)
+            self._changed()
+            return Change.REGISTERED, incoming
+        if key in self._static:
+            # Static instances are the operator's word: an announcement may not move them.
+            if (incoming.role, incoming.zmq_address) != (
+                entry.instance.role,
+                entry.instance.zmq_address,
+            ):
+                raise Rejected(
+                    Reason.STATIC_CONFLICT,
+                    f"{key} is configured statically as {entry.instance.role.value} "
+                    f"with zmq {entry.instance.zmq_address}",
+                )
+            incoming = replace(incoming, source=Source.STATIC)
+        if incoming == entry.instance:
+            self._entries[key] = replace(entry, last_seen=now)
+            return Change.REFRESHED, entry.instance
+        self._entries[key] = Entry(incoming, entry.first_seen, now)
+        self._changed()
+        return Change.UPDATED, incoming
+
+    def remove(self, http_address: Address) -> Instance | None:
+        """A v1 `leave`. Static instances stay: only the operator removes them."""
+        if http_address in self._static:
+            return None
+        entry = self._entries.pop(http_address, None)
+        if entry is None:
+            return None
+        self._changed()
+        return entry.instance
+
+    def expire(self, now: float) -> list[Instance]:
+        """Drop every non-static instance silent for longer than the TTL."""
+        deadline = now - self._ttl
+        dead = [
+            key
+            for key, entry in self._entries.items()
+            if entry.last_seen < deadline and key not in self._static
+        ]
+        expired = [self._entries.pop(key).instance for key in dead]
+        if expired:
+            self._changed()
+        return expired
+
+    def entries(self) -> list[Entry]:
+        return list(self._entries.values())
+
+    def snapshot(self) -> Snapshot:
+        # Built lazily: a burst of load updates costs one rebuild at the next request.
+        if self._snapshot is None:
+            instances = [entry.instance for entry in self._entries.values()]
+            self._snapshot = Snapshot(
+                version=self._version,
+                prefills=tuple(i for i in instances if i.role is Role.PREFILL),
+                decodes=tuple(i for i in instances if i.role is Role.DECODE),
+            )
+        return self._snapshot
+
+    def _changed(self) -> None:
+        self._version += 1
+        self._snapshot = None

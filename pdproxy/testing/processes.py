@@ -1,0 +1,152 @@
+"""Starting and stopping the real processes of a local fleet (tests, the demo, benchmarks).
+
+Each child runs in its own session, so stopping it by PID also stops anything it spawned; every
+wait is bounded.
+"""
+
+from __future__ import annotations
+
+import contextlib
+import json
+import os
+import signal
+import socket
+import subprocess
+import sys
+import time
+import urllib.error
+import urllib.request
+from collections.abc import Callable, Sequence
+from dataclasses import dataclass, field
+from pathlib import Path
+from typing import IO, Any
+
+LOOPBACK = "127.0.0.1"
+
+
+def free_port() -> int:
+    """A port nothing listens on right now (the OS picks it)."""
+    with socket.socket(socket.AF_INET, socket.SOCK_STREAM) as sock:
+        sock.bind((LOOPBACK, 0))
+        return int(sock.getsockname()[1])
+
+
+def free_ports(count: int) -> list[int]:
+    ports: set[int] = set()
+    while len(ports) < count:
+        ports.add(free_port())
+    return sorted(ports)
+
+
+def pdproxy_command(*args: str) -> list[str]:
+    return [sys.executable, "-m", "pdproxy", *args]
+
+
+@dataclass
+class ManagedProcess:
+    name: str
+    argv: Sequence[str]
+    log_path: Path | None = None
+    env: dict[str, str] | None = None
+    process: subprocess.Popen[bytes] | None = field(default=None, init=False)
+    _log: IO[bytes] | None = field(default=None, init=False)
+
+    def start(self) -> ManagedProcess:
+        output: IO[bytes] | int = subprocess.DEVNULL
+        if self.log_path is not None:
+            self._log = self.log_path.open("ab")
+            output = self._log
+        self.process = subprocess.Popen(
+            list(self.argv),
+            stdin=subprocess.DEVNULL,
+            stdout=output,
+            stderr=subprocess.STDOUT,
+            start_new_session=True,
+            env={**os.environ, **(self.env or {})},
+        )
+        return self
+
+    @property
+    def pid(self) -> int:
+        assert self.process is not None
+        return self.process.pid
+
+    def alive(self) -> bool:
+        return self.process is not None and self.process.poll() is None
+
+    def signal(self, sig: int) -> None:
+        if self.alive():
+            with contextlib.suppress(ProcessLookupError, PermissionError):
+                os.killpg(self.pid, sig)
+
+    def stop(self, grace: float = 5.0) -> int | None:
+        """SIGTERM the process group, SIGKILL it after `grace` seconds. Returns the exit code."""
+        if self.process is None:
+            return None
+        try:
+            if self.process.poll() is None:
+                self.signal(signal.SIGTERM)
+                try:
+                    self.process.wait(timeout=grace)
+                except subprocess.TimeoutExpired:
+                    self.signal(signal.SIGKILL)
+                    self.process.wait(timeout=grace)
+            # Children of the group that outlived their parent go too.
+            with contextlib.suppress(ProcessLookupError, PermissionError):
+                os.killpg(self.pid, signal.SIGKILL)
+            return self.process.returncode
+        finally:
+            if self._log is not None:
+                self._log.close()
+                self._log = None
+
+    def log_tail(self, lines: int = 40) -> str:
+        if self.log_path is None or not self.log_path.exists():
+            return ""
+        text = self.log_path.read_text(encoding="utf-8", errors="replace")
+        return "\n".join(text.splitlines()[-lines:])
+
+
+def http_get(url: str, timeout: float = 2.0) -> tuple[int, bytes]:
+    """GET with a bound; (status, body), status 0 when nothing answered."""
+    try:
+        with urllib.request.urlopen(url, timeout=timeout) as response:
+            return int(response.status), bytes(response.read())
+    except urllib.error.HTTPError as exc:
+        return exc.code, exc.read()
+    except (OSError, ValueError):
+        return 0, b""
+
+
+def http_json(url: str, timeout: float = 2.0) -> Any:
+    status, body = http_get(url, timeout)
+    if status != 200:
+        raise RuntimeError(f"GET {url} answered {status}: {body[:200]!r}")
+    return json.loads(body)
+
+
+def wait_until(
+    condition: Callable[[], bool],
+    timeout: float,
+    what: str,
+    processes: Sequence[ManagedProcess] = (),
+    interval: float = 0.05,
+) -> None:
+    """Poll `condition` until true; fail after `timeout` s or as soon as a process died."""
+    deadline = time.monotonic() + timeout
+    while True:
+        if condition():
+            return
+        for proc in processes:
+            if not proc.alive():
+                raise RuntimeError(
+                    f"{proc.name} exited while waiting for {what}:\n{proc.log_tail()}"
+                )
+        if time.monotonic() > deadline:
+            tails = "\n".join(f"--- {p.name}\n{p.log_tail()}" for p in processes)
+            raise TimeoutError(f"timed out after {timeout:g}s waiting for {what}\n{tails}")
+        time.sleep(interval)
+
+
+def wait_http_ok(url: str, timeout: float, processes: Sequence[ManagedProcess] = ()) -> None:
+    wait_until(lambda: http_get(url, 1.0)[0] == 200, timeout, f"{url} to answer 200", processes)
