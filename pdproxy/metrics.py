@@ -16,9 +16,26 @@ from pdproxy.registry.messages import Reason, Role
 
 # Latency buckets from sub-millisecond proxy overhead to multi-minute prefills of long prompts.
 _LATENCY_BUCKETS = (
-    0.0005, 0.001, 0.0025, 0.005, 0.01, 0.025, 0.05, 0.1, 0.25, 0.5,
-    1.0, 2.5, 5.0, 10.0, 30.0, 60.0, 120.0, 300.0, 600.0,
-)  # fmt: skip
+    0.0005,
+    0.001,
+    0.0025,
+    0.005,
+    0.01,
+    0.025,
+    0.05,
+    0.1,
+    0.25,
+    0.5,
+    1.0,
+    2.5,
+    5.0,
+    10.0,
+    30.0,
+    60.0,
+    120.0,
+    300.0,
+    600.0,
+)
 
 CONTENT_TYPE = CONTENT_TYPE_LATEST
 LEG_ROLES = ("prefill", "decode")

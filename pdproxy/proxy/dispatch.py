@@ -127,9 +127,7 @@ class Dispatcher:
         waited_for = "first byte"
         self._metrics.leg_started(DECODE, instance.name)
         try:
-            async with asyncio.timeout(
-                None if first_byte_limit is None else loop.time() + first_byte_limit
-            ) as deadline:
+            async with asyncio.timeout(first_byte_limit) as deadline:
                 async with self._upstream.stream(
                     "POST", instance.base_url + request.path, request.body, headers
                 ) as stream:
@@ -139,9 +137,11 @@ class Dispatcher:
                             await exchange.whole(stream.status, stream.content_type.encode(), body)
                             return
                         raise self._leg_failed(
-                            DECODE, instance, _status_kind(stream.status),
+                            DECODE,
+                            instance,
+                            _status_kind(stream.status),
                             _answered(stream.status, body),
-                        )  # fmt: skip
+                        )
                     if not request.stream:
                         body = await stream.read_all(settings.max_response_bytes)
                         self._metrics.decode_first_byte.observe(time.perf_counter() - started)

@@ -42,8 +42,9 @@ class ProxyError(Exception):
         return error_body(self.status, self.message, code=self.code, param=self.param)
 
 
-def error_body(status: int, message: str, *, code: str | None = None, param: str | None = None
-               ) -> bytes:  # fmt: skip
+def error_body(
+    status: int, message: str, *, code: str | None = None, param: str | None = None
+) -> bytes:
     return orjson.dumps(
         {
             "error": {

@@ -55,9 +55,11 @@ def parse_completion(path: str, body: bytes) -> CompletionRequest:
     model = payload.get("model")
     if not isinstance(model, str) or not model:
         raise ProxyError(
-            400, "'model' is required and must be a non-empty string", param="model",
+            400,
+            "'model' is required and must be a non-empty string",
+            param="model",
             code="missing_model",
-        )  # fmt: skip
+        )
     stream = payload.get("stream", False)
     if stream is not None and not isinstance(stream, bool):
         raise ProxyError(400, "'stream' must be a boolean", param="stream", code="invalid_type")

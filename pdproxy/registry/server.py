@@ -84,8 +84,9 @@ class RegistryServer:
             asyncio.create_task(self._receive_loop(sock), name="registry-receive"),
             asyncio.create_task(self._sweep_loop(), name="registry-sweep"),
         ]
-        log.info("registry listening on %s (ttl %.1fs)", self._settings.registry_bind,
-                 self._table.ttl)  # fmt: skip
+        log.info(
+            "registry listening on %s (ttl %.1fs)", self._settings.registry_bind, self._table.ttl
+        )
 
     async def stop(self) -> None:
         for task in self._tasks:

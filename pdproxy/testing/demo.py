@@ -58,8 +58,10 @@ def run(args: argparse.Namespace) -> int:
     try:
         fleet.start()
         for worker in fleet.workers:
-            print(f"  {worker.spec.role} {worker.http_address} kv {worker.zmq_address} "
-                  f"announces {worker.spec.announce}")  # fmt: skip
+            print(
+                f"  {worker.spec.role} {worker.http_address} kv {worker.zmq_address} "
+                f"announces {worker.spec.announce}"
+            )
         client = OpenAI(base_url=fleet.proxy_url + "/v1", api_key="demo", timeout=30, max_retries=0)
         _sample_requests(client)
         print(_curl(fleet.proxy_url))

@@ -104,17 +104,30 @@ class LocalFleet:
             http_port, kv_port = next(ports), next(ports)
             name = f"fake-{spec.role}{index}"
             argv = pdproxy_command(
-                "fake-worker", "--role", spec.role, "--port", str(http_port),
-                "--kv-port", str(kv_port), "--model", spec.model,
-                "--token-latency-ms", str(spec.token_latency_ms),
-                "--prefill-latency-ms", str(spec.prefill_latency_ms),
+                "fake-worker",
+                "--role",
+                spec.role,
+                "--port",
+                str(http_port),
+                "--kv-port",
+                str(kv_port),
+                "--model",
+                spec.model,
+                "--token-latency-ms",
+                str(spec.token_latency_ms),
+                "--prefill-latency-ms",
+                str(spec.prefill_latency_ms),
                 *spec.extra_args,
-            )  # fmt: skip
+            )
             if spec.announce != "static":
                 argv += [
-                    "--proxy", self.registry_address, "--announce", spec.announce,
-                    "--announce-interval", str(self.announce_interval),
-                ]  # fmt: skip
+                    "--proxy",
+                    self.registry_address,
+                    "--announce",
+                    spec.announce,
+                    "--announce-interval",
+                    str(self.announce_interval),
+                ]
             process = ManagedProcess(name, argv, self.log_dir / f"{name}.log")
             self.workers.append(Worker(spec, index, http_port, kv_port, process))
         static = [

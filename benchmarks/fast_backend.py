@@ -1,0 +1,392 @@
+"""A very fast fake OpenAI backend for benchmarking pdproxy.
+
+A raw asyncio ``Protocol`` HTTP/1.1 server (uvloop when available, ``httptools`` request
+parser) that answers, with keep-alive:
+
+* ``POST /v1/completions`` and ``POST /v1/chat/completions``: a small fixed OpenAI-shaped JSON
+  completion (``Content-Length`` set). With ``"stream": true`` in the body it answers an SSE
+  body of N events (N = ``max_tokens``, default 16, capped at 4096) followed by
+  ``data: [DONE]``, all in one write, framed with ``Content-Length`` (or, with
+  ``--stream-chunked``, with chunked transfer-encoding, one HTTP chunk per event).
+* ``GET /health``: 200, empty body.
+* ``GET /v1/models``: a one-model list.
+
+Anything else gets a JSON 404/405; an unparsable request gets a 400 and the connection is closed.
+Responses are written in request order, so even pipelined requests are answered correctly.
+
+CLI::
+
+    python benchmarks/fast_backend.py --port 8100 [--host 127.0.0.1] [--stream-chunked]
+
+With ``--port 0`` the kernel picks a port; the first stdout line always is
+``fast_backend listening on HOST:PORT``.
+"""
+
+from __future__ import annotations
+
+import argparse
+import asyncio
+import contextlib
+import functools
+import signal
+import sys
+import time
+from typing import Any, cast
+
+import httptools
+
+try:
+    import uvloop
+
+    HAVE_UVLOOP = True
+except ImportError:  # pragma: no cover - uvloop is a project dependency on Linux
+    HAVE_UVLOOP = False
+
+try:
+    import orjson
+
+    def _loads(data: bytes) -> Any:
+        return orjson.loads(data)
+
+    def _dumps(obj: Any) -> bytes:
+        return orjson.dumps(obj)
+
+except ImportError:  # pragma: no cover - orjson is a project dependency
+    import json
+
+    def _loads(data: bytes) -> Any:
+        return json.loads(data)
+
+    def _dumps(obj: Any) -> bytes:
+        return json.dumps(obj, separators=(",", ":")).encode()
+
+
+MAX_STREAM_EVENTS = 4096
+DEFAULT_MAX_TOKENS = 16
+MAX_BODY_BYTES = 8 * 1024 * 1024
+CREATED = int(time.time())
+COMPLETION_TEXT = " hello from the fast backend"
+
+_REASONS = {
+    200: b"OK",
+    400: b"Bad Request",
+    404: b"Not Found",
+    405: b"Method Not Allowed",
+    413: b"Payload Too Large",
+}
+
+_COMPLETIONS = b"/v1/completions"
+_CHAT = b"/v1/chat/completions"
+
+
+def _head(status: int, content_type: bytes, length: int, keep_alive: bool) -> bytes:
+    return b"".join(
+        (
+            b"HTTP/1.1 %d %s\r\n" % (status, _REASONS.get(status, b"Unknown")),
+            b"Content-Type: " + content_type + b"\r\n",
+            b"Content-Length: %d\r\n" % length,
+            b"" if keep_alive else b"Connection: close\r\n",
+            b"\r\n",
+        )
+    )
+
+
+def _json_response(status: int, body: bytes, keep_alive: bool) -> bytes:
+    return _head(status, b"application/json", len(body), keep_alive) + body
+
+
+def _error_body(message: str, code: int) -> bytes:
+    return _dumps({"error": {"message": message, "type": "invalid_request_error", "code": code}})
+
+
+@functools.lru_cache(maxsize=1024)
+def _completion_body(chat: bool, model: str, max_tokens: int) -> bytes:
+    usage = {
+        "prompt_tokens": 2,
+        "completion_tokens": max_tokens,
+        "total_tokens": 2 + max_tokens,
+    }
+    if chat:
+        return _dumps(
+            {
+                "id": "chatcmpl-fastbackend",
+                "object": "chat.completion",
+                "created": CREATED,
+                "model": model,
+                "choices": [
+                    {
+                        "index": 0,
+                        "message": {"role": "assistant", "content": COMPLETION_TEXT},
+                        "logprobs": None,
+                        "finish_reason": "length",
+                    }
+                ],
+                "usage": usage,
+            }
+        )
+    return _dumps(
+        {
+            "id": "cmpl-fastbackend",
+            "object": "text_completion",
+            "created": CREATED,
+            "model": model,
+            "choices": [
+                {
+                    "index": 0,
+                    "text": COMPLETION_TEXT,
+                    "logprobs": None,
+                    "finish_reason": "length",
+                }
+            ],
+            "usage": usage,
+        }
+    )
+
+
+@functools.lru_cache(maxsize=256)
+def _stream_events(chat: bool, model: str, n_events: int) -> tuple[bytes, ...]:
+    """The SSE events (each ``data: ...\\n\\n``) of a streamed answer, ``[DONE]`` included."""
+    events: list[bytes] = []
+    for i in range(n_events):
+        last = i == n_events - 1
+        finish = "length" if last else None
+        if chat:
+            delta: dict[str, str] = {"content": " tok"}
+            if i == 0:
+                delta["role"] = "assistant"
+            chunk: dict[str, Any] = {
+                "id": "chatcmpl-fastbackend",
+                "object": "chat.completion.chunk",
+                "created": CREATED,
+                "model": model,
+                "choices": [
+                    {"index": 0, "delta": delta, "logprobs": None, "finish_reason": finish}
+                ],
+            }
+        else:
+            chunk = {
+                "id": "cmpl-fastbackend",
+                "object": "text_completion",
+                "created": CREATED,
+                "model": model,
+                "choices": [
+                    {"index": 0, "text": " tok", "logprobs": None, "finish_reason": finish}
+                ],
+            }
+        events.append(b"data: " + _dumps(chunk) + b"\n\n")
+    events.append(b"data: [DONE]\n\n")
+    return tuple(events)
+
+
+def _stream_response(
+    chat: bool, model: str, n_events: int, keep_alive: bool, chunked: bool
+) -> bytes:
+    events = _stream_events(chat, model, n_events)
+    if not chunked:
+        body = b"".join(events)
+        return _head(200, b"text/event-stream", len(body), keep_alive) + body
+    parts = [
+        b"HTTP/1.1 200 OK\r\nContent-Type: text/event-stream\r\nTransfer-Encoding: chunked\r\n",
+        b"" if keep_alive else b"Connection: close\r\n",
+        b"\r\n",
+    ]
+    for event in events:
+        parts.append(b"%x\r\n" % len(event))
+        parts.append(event)
+        parts.append(b"\r\n")
+    parts.append(b"0\r\n\r\n")
+    return b"".join(parts)
+
+
+_HEALTH_OK = b"HTTP/1.1 200 OK\r\nContent-Type: text/plain\r\nContent-Length: 0\r\n\r\n"
+_MODELS_BODY = _dumps(
+    {
+        "object": "list",
+        "data": [{"id": "bench", "object": "model", "created": CREATED, "owned_by": "bench"}],
+    }
+)
+
+
+def _int_field(value: Any, default: int) -> int:
+    if isinstance(value, bool) or not isinstance(value, int):
+        return default
+    return value
+
+
+class BackendProtocol(asyncio.Protocol):
+    """One client connection: parse requests with httptools, answer each in order."""
+
+    __slots__ = (
+        "_body",
+        "_body_size",
+        "_chunked",
+        "_parser",
+        "_paused",
+        "_too_large",
+        "_transport",
+        "_url",
+    )
+
+    def __init__(self, stream_chunked: bool = False) -> None:
+        self._chunked = stream_chunked
+        self._transport: asyncio.Transport | None = None
+        self._parser = httptools.HttpRequestParser(self)
+        self._url = b""
+        self._body: list[bytes] = []
+        self._body_size = 0
+        self._too_large = False
+        self._paused = False
+
+    # asyncio callbacks ------------------------------------------------------------------
+    def connection_made(self, transport: asyncio.BaseTransport) -> None:
+        # uvloop's transports do not subclass asyncio.Transport, so cast instead of asserting.
+        self._transport = cast(asyncio.Transport, transport)
+
+    def connection_lost(self, exc: Exception | None) -> None:
+        self._transport = None
+
+    def data_received(self, data: bytes) -> None:
+        try:
+            self._parser.feed_data(data)
+        except httptools.HttpParserUpgrade:
+            self._reply_and_close(400, "upgrade not supported")
+        except httptools.HttpParserError:
+            self._reply_and_close(400, "malformed HTTP request")
+
+    def pause_writing(self) -> None:
+        # The client is not reading: stop reading its further requests until it catches up.
+        if self._transport is not None and not self._paused:
+            self._paused = True
+            self._transport.pause_reading()
+
+    def resume_writing(self) -> None:
+        if self._transport is not None and self._paused:
+            self._paused = False
+            self._transport.resume_reading()
+
+    # httptools callbacks ----------------------------------------------------------------
+    def on_message_begin(self) -> None:
+        self._url = b""
+        self._body = []
+        self._body_size = 0
+        self._too_large = False
+
+    def on_url(self, url: bytes) -> None:
+        self._url += url
+
+    def on_body(self, body: bytes) -> None:
+        self._body_size += len(body)
+        if self._body_size > MAX_BODY_BYTES:
+            self._too_large = True
+            self._body = []
+        elif not self._too_large:
+            self._body.append(body)
+
+    def on_message_complete(self) -> None:
+        transport = self._transport
+        if transport is None or transport.is_closing():
+            return
+        keep_alive = self._parser.should_keep_alive()
+        transport.write(self._respond(keep_alive))
+        if not keep_alive:
+            transport.close()
+
+    # request handling -------------------------------------------------------------------
+    def _respond(self, keep_alive: bool) -> bytes:
+        path = self._url.split(b"?", 1)[0]
+        method = self._parser.get_method()
+        if path in (_COMPLETIONS, _CHAT):
+            if method != b"POST":
+                return _json_response(405, _error_body("use POST", 405), keep_alive)
+            if self._too_large:
+                return _json_response(413, _error_body("body too large", 413), keep_alive)
+            return self._completion(path == _CHAT, keep_alive)
+        if path == b"/health":
+            if keep_alive:
+                return _HEALTH_OK
+            return _head(200, b"text/plain", 0, False)
+        if path == b"/v1/models":
+            return _json_response(200, _MODELS_BODY, keep_alive)
+        return _json_response(404, _error_body("not found", 404), keep_alive)
+
+    def _completion(self, chat: bool, keep_alive: bool) -> bytes:
+        raw = b"".join(self._body)
+        try:
+            request = _loads(raw)
+        except ValueError:
+            return _json_response(400, _error_body("body is not JSON", 400), keep_alive)
+        if not isinstance(request, dict):
+            return _json_response(400, _error_body("body is not an object", 400), keep_alive)
+        model = request.get("model")
+        if not isinstance(model, str):
+            model = "bench"
+        max_tokens = _int_field(
+            request.get("max_completion_tokens", request.get("max_tokens")), DEFAULT_MAX_TOKENS
+        )
+        max_tokens = max(1, min(max_tokens, MAX_STREAM_EVENTS))
+        if request.get("stream") is True:
+            return _stream_response(chat, model, max_tokens, keep_alive, self._chunked)
+        return _json_response(200, _completion_body(chat, model, max_tokens), keep_alive)
+
+    def _reply_and_close(self, status: int, message: str) -> None:
+        transport = self._transport
+        if transport is None or transport.is_closing():
+            return
+        transport.write(_json_response(status, _error_body(message, status), False))
+        transport.close()
+
+
+async def start_server(
+    host: str = "127.0.0.1", port: int = 0, *, stream_chunked: bool = False
+) -> asyncio.Server:
+    """Start the backend on the running loop; ``port=0`` picks a free port."""
+    loop = asyncio.get_running_loop()
+    return await loop.create_server(
+        lambda: BackendProtocol(stream_chunked),
+        host=host,
+        port=port,
+        backlog=4096,
+        reuse_address=True,
+    )
+
+
+async def _serve(host: str, port: int, stream_chunked: bool) -> None:
+    server = await start_server(host, port, stream_chunked=stream_chunked)
+    bound = server.sockets[0].getsockname()
+    print(f"fast_backend listening on {bound[0]}:{bound[1]}", flush=True)
+    stop = asyncio.Event()
+    loop = asyncio.get_running_loop()
+    for sig in (signal.SIGINT, signal.SIGTERM):
+        with contextlib.suppress(NotImplementedError, RuntimeError):
+            loop.add_signal_handler(sig, stop.set)
+    try:
+        await stop.wait()
+    finally:
+        server.close()
+        with contextlib.suppress(asyncio.TimeoutError):
+            await asyncio.wait_for(server.wait_closed(), timeout=1.0)
+
+
+def run_event_loop(main: Any) -> Any:
+    """Run a coroutine on uvloop when it is installed, else on the default asyncio loop."""
+    if not HAVE_UVLOOP:
+        return asyncio.run(main)
+    return uvloop.run(main)
+
+
+def main(argv: list[str] | None = None) -> int:
+    parser = argparse.ArgumentParser(description="Very fast fake OpenAI backend (benchmarks).")
+    parser.add_argument("--host", default="127.0.0.1", help="bind address (default 127.0.0.1)")
+    parser.add_argument("--port", type=int, required=True, help="TCP port (0 = any free port)")
+    parser.add_argument(
+        "--stream-chunked",
+        action="store_true",
+        help="frame stream=true answers with chunked transfer-encoding instead of Content-Length",
+    )
+    args = parser.parse_args(argv)
+    run_event_loop(_serve(args.host, args.port, args.stream_chunked))
+    return 0
+
+
+if __name__ == "__main__":
+    sys.exit(main())

@@ -1,0 +1,294 @@
+"""The main path through a live `pdproxy serve` and fake P/D workers, with the openai client."""
+
+from __future__ import annotations
+
+import asyncio
+import json
+import time
+from collections import Counter
+from collections.abc import Iterator
+from typing import Any
+
+import openai
+import pytest
+
+from pdproxy.ids import VLLM_DECODE_SIDE, VLLM_PREFILL_SIDE, parse_request_id
+from pdproxy.testing.fleet import LocalFleet, WorkerSpec
+from tests.conftest import FleetFactory
+from tests.integration.support import (
+    metric_value,
+    open_raw_request,
+    post_json,
+    read_until,
+)
+
+MODEL = "fake-model"
+
+
+@pytest.fixture(scope="module")
+def fleet(tmp_path_factory: pytest.TempPathFactory) -> Iterator[LocalFleet]:
+    specs = [WorkerSpec("P"), WorkerSpec("P"), WorkerSpec("D"), WorkerSpec("D")]
+    fleet = LocalFleet(tmp_path_factory.mktemp("fleet2x2"), specs).start()
+    try:
+        yield fleet
+    finally:
+        fleet.stop()
+
+
+@pytest.fixture
+def client(fleet: LocalFleet) -> openai.OpenAI:
+    return openai.OpenAI(
+        base_url=fleet.proxy_url + "/v1", api_key="sk-client", max_retries=0, timeout=30
+    )
+
+
+def _by_request_id(records: list[dict[str, Any]], request_id: str) -> list[dict[str, Any]]:
+    return [r for r in records if r["headers"].get("x-request-id") == request_id]
+
+
+def _completion_requests(fleet: LocalFleet, role: str) -> list[dict[str, Any]]:
+    return [
+        r
+        for w in fleet.role(role)
+        for r in w.requests()
+        if r["path"] in ("/v1/completions", "/v1/chat/completions")
+    ]
+
+
+def test_completion_non_streaming(fleet: LocalFleet, client: openai.OpenAI) -> None:
+    completion = client.completions.create(model=MODEL, prompt="the quick brown fox", max_tokens=7)
+    tagged = parse_request_id(completion.id)
+    assert tagged is not None, completion.id
+    assert completion.id.startswith("cmpl-___prefill_addr_")
+    assert completion.usage is not None and completion.usage.completion_tokens == 7
+    assert len(completion.choices[0].text.split()) == 7
+    zmq_by_role: dict[str, set[str]] = {w.spec.role: set() for w in fleet.workers}
+    for w in fleet.workers:
+        zmq_by_role[w.spec.role].add(w.zmq_address)
+    assert str(tagged.prefill) in zmq_by_role["P"]
+    assert str(tagged.decode) in zmq_by_role["D"]
+
+
+@pytest.mark.parametrize("chat", [False, True])
+def test_stream_equals_non_stream_and_usage(client: openai.OpenAI, chat: bool) -> None:
+    prompt = f"streaming equals whole {chat}"
+    if chat:
+        messages: Any = [{"role": "user", "content": prompt}]
+        whole = client.chat.completions.create(model=MODEL, messages=messages, max_tokens=9)
+        whole_text = whole.choices[0].message.content
+        stream = client.chat.completions.create(
+            model=MODEL,
+            messages=messages,
+            max_tokens=9,
+            stream=True,
+            stream_options={"include_usage": True},
+        )
+        pieces, usage = [], None
+        for chunk in stream:
+            if chunk.choices and chunk.choices[0].delta.content:
+                pieces.append(chunk.choices[0].delta.content)
+            usage = chunk.usage or usage
+    else:
+        whole_c = client.completions.create(model=MODEL, prompt=prompt, max_tokens=9)
+        whole_text = whole_c.choices[0].text
+        stream_c = client.completions.create(
+            model=MODEL,
+            prompt=prompt,
+            max_tokens=9,
+            stream=True,
+            stream_options={"include_usage": True},
+        )
+        pieces, usage = [], None
+        for chunk_c in stream_c:
+            if chunk_c.choices:
+                pieces.append(chunk_c.choices[0].text)
+            usage = chunk_c.usage or usage
+    assert "".join(pieces) == whole_text
+    assert len(pieces) == 9
+    assert usage is not None and usage.completion_tokens == 9
+
+
+def test_stream_without_include_usage_has_no_usage(client: openai.OpenAI) -> None:
+    stream = client.completions.create(model=MODEL, prompt="x y", max_tokens=3, stream=True)
+    assert all(chunk.usage is None for chunk in stream)
+
+
+def test_prefill_leg_body_and_headers(fleet: LocalFleet) -> None:
+    body = {
+        "model": MODEL,
+        "prompt": ["first prompt", "second prompt"],
+        "max_tokens": 20,
+        "min_tokens": 5,
+        "stream": True,
+        "stream_options": {"include_usage": True},
+        "temperature": 0,
+        "user_field": {"nested": [1, 2.5, "x"]},
+    }
+    answer = post_json(
+        fleet.proxy_url + "/v1/completions",
+        body,
+        headers={"X-Request-Id": "client-own-id-42", "Authorization": "Bearer sk-user"},
+    )
+    assert answer.status == 200, answer.body
+    assert answer.headers["x-request-id"] == "client-own-id-42"
+    assert answer.headers["content-type"].startswith("text/event-stream")
+    assert answer.body.endswith(b"data: [DONE]\n\n")
+    first_event = json.loads(answer.body.split(b"\n\n")[0].removeprefix(b"data: "))
+    request_id = first_event["id"].removeprefix("cmpl-")
+    tagged = parse_request_id(request_id)
+    assert tagged is not None
+
+    prefill = _by_request_id(_completion_requests(fleet, "P"), request_id)
+    decode = _by_request_id(_completion_requests(fleet, "D"), request_id)
+    assert len(prefill) == 1 and len(decode) == 1
+    expected_prefill = dict(body, max_tokens=1, min_tokens=1, stream=False)
+    del expected_prefill["stream_options"]
+    assert prefill[0]["body"] == expected_prefill
+    assert decode[0]["body"] == body  # the client's body, unchanged
+    for leg in (prefill[0], decode[0]):
+        assert leg["headers"]["x-request-id"] == request_id
+        assert leg["headers"]["authorization"] == "Bearer sk-user"
+        assert "client-own-id-42" not in json.dumps(leg["headers"])
+    # Each leg went to the instance whose KV address the id names.
+    p_worker = next(w for w in fleet.role("P") if w.zmq_address == str(tagged.prefill))
+    assert _by_request_id(p_worker.requests(), request_id)
+    assert VLLM_PREFILL_SIDE.search(request_id) and VLLM_DECODE_SIDE.search(request_id)
+
+
+def test_chat_prefill_pins_max_completion_tokens(fleet: LocalFleet) -> None:
+    body = {
+        "model": MODEL,
+        "messages": [{"role": "user", "content": "pin both limits"}],
+        "max_completion_tokens": 30,
+        "min_tokens": 0,
+    }
+    answer = post_json(fleet.proxy_url + "/v1/chat/completions", body)
+    assert answer.status == 200, answer.body
+    request_id = answer.json()["id"].removeprefix("chatcmpl-")
+    (prefill,) = _by_request_id(_completion_requests(fleet, "P"), request_id)
+    assert prefill["body"] == dict(body, max_tokens=1, max_completion_tokens=1, stream=False)
+    assert answer.json()["usage"]["completion_tokens"] == 30
+
+
+def test_every_request_hands_kv_to_its_decode(fleet: LocalFleet, client: openai.OpenAI) -> None:
+    fleet.reset_records()
+    ids = []
+    for i in range(12):
+        if i % 2:
+            c = client.completions.create(model=MODEL, prompt=f"kv {i}", max_tokens=2)
+            ids.append(c.id.removeprefix("cmpl-"))
+        else:
+            ch = client.chat.completions.create(
+                model=MODEL, messages=[{"role": "user", "content": f"kv {i}"}], max_tokens=2
+            )
+            ids.append(ch.id.removeprefix("chatcmpl-"))
+    kv_ok = [rid for w in fleet.role("D") for rid in w.events()["kv_ok"]]
+    kv_failed = [f for w in fleet.role("D") for f in w.events()["kv_failed"]]
+    assert sorted(kv_ok) == sorted(ids)
+    assert kv_failed == []
+
+
+def test_round_robin_spreads_evenly_under_concurrency(fleet: LocalFleet) -> None:
+    fleet.reset_records()
+
+    async def send_all() -> None:
+        client = openai.AsyncOpenAI(base_url=fleet.proxy_url + "/v1", api_key="x", max_retries=0)
+        limit = asyncio.Semaphore(16)
+
+        async def one(i: int) -> None:
+            async with limit:
+                await client.completions.create(model=MODEL, prompt=f"rr {i}", max_tokens=1)
+
+        await asyncio.gather(*(one(i) for i in range(100)))
+        await client.close()
+
+    asyncio.run(send_all())
+    per_worker: Counter[str] = Counter()
+    for worker in fleet.workers:
+        per_worker[worker.http_address] = len(
+            [r for r in worker.requests() if r["path"] == "/v1/completions"]
+        )
+    assert sorted(per_worker.values()) == [50, 50, 50, 50], per_worker
+
+
+def test_metrics_after_traffic(fleet: LocalFleet, client: openai.OpenAI) -> None:
+    before = metric_value(
+        fleet.proxy_url, "pdproxy_requests_total", {"endpoint": "/v1/completions", "status": "200"}
+    )
+    client.completions.create(model=MODEL, prompt="count me", max_tokens=1)
+    url = fleet.proxy_url
+    after = metric_value(
+        url, "pdproxy_requests_total", {"endpoint": "/v1/completions", "status": "200"}
+    )
+    assert after == before + 1
+    assert metric_value(url, "pdproxy_prefill_duration_seconds_count") >= 1
+    assert metric_value(url, "pdproxy_decode_first_byte_seconds_count") >= 1
+    assert metric_value(url, "pdproxy_request_duration_seconds_count") >= 1
+    assert metric_value(url, "pdproxy_registry_instances", {"role": "P"}) == 2
+    assert metric_value(url, "pdproxy_registry_instances", {"role": "D"}) == 2
+    assert metric_value(url, "pdproxy_registry_messages_total", {"outcome": "accepted"}) >= 4
+    for worker in fleet.workers:
+        role = "prefill" if worker.spec.role == "P" else "decode"
+        assert (
+            metric_value(
+                url, "pdproxy_inflight_requests", {"role": role, "instance": worker.http_address}
+            )
+            == 0
+        )
+
+
+def test_models_lists_announced_models(fleet: LocalFleet, client: openai.OpenAI) -> None:
+    assert [m.id for m in client.models.list()] == [MODEL]
+
+
+def test_client_disconnect_mid_stream_reaches_decode(fleet_factory: FleetFactory) -> None:
+    fleet = fleet_factory(
+        [WorkerSpec("P"), WorkerSpec("D", token_latency_ms=100)],
+    )
+    sock = open_raw_request(
+        fleet.proxy_url + "/v1/completions",
+        {"model": MODEL, "prompt": "long story", "max_tokens": 500, "stream": True},
+    )
+    read_until(sock, b"data: ", timeout=10)  # the stream is flowing
+    hung_up = time.monotonic()
+    sock.close()
+    decode = fleet.role("D")[0]
+    deadline = time.monotonic() + 5
+    aborted: list[dict[str, Any]] = []
+    while not aborted and time.monotonic() < deadline:
+        aborted = decode.events()["aborted"]
+        time.sleep(0.05)
+    assert len(aborted) == 1, decode.events()
+    assert aborted[0]["time"] - hung_up < 1.0
+    assert decode.events()["completed"] == []
+
+
+def test_client_disconnect_during_prefill_cancels_it(fleet_factory: FleetFactory) -> None:
+    fleet = fleet_factory([WorkerSpec("P", prefill_latency_ms=3000), WorkerSpec("D")])
+    sock = open_raw_request(
+        fleet.proxy_url + "/v1/completions", {"model": MODEL, "prompt": "abandon", "max_tokens": 5}
+    )
+    prefill, decode = fleet.role("P")[0], fleet.role("D")[0]
+    deadline = time.monotonic() + 5
+    while not _completion_requests(fleet, "P") and time.monotonic() < deadline:
+        time.sleep(0.02)
+    assert _completion_requests(fleet, "P"), "the prefill leg never started"
+    hung_up = time.monotonic()
+    sock.close()
+    aborted: list[dict[str, Any]] = []
+    while not aborted and time.monotonic() < deadline:
+        aborted = prefill.events()["aborted"]
+        time.sleep(0.05)
+    assert len(aborted) == 1 and aborted[0]["time"] - hung_up < 1.0
+    time.sleep(3.5)  # past the prefill latency: a decode leg would have been sent by now
+    assert _completion_requests(fleet, "D") == []
+    assert decode.events()["kv_received"] == []
+    assert (
+        metric_value(
+            fleet.proxy_url,
+            "pdproxy_requests_total",
+            {"endpoint": "/v1/completions", "status": "499"},
+        )
+        == 1
+    )
+    assert metric_value(fleet.proxy_url, "pdproxy_inflight_requests", {"role": "prefill"}) == 0

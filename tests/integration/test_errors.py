@@ -1,0 +1,248 @@
+"""Every error case of the core issue, through a live proxy: OpenAI-shaped, one answer each."""
+
+from __future__ import annotations
+
+import json
+import signal
+import time
+import urllib.request
+from collections.abc import Iterator
+from typing import Any
+
+import pytest
+
+from pdproxy.testing.fleet import LocalFleet, Worker, WorkerSpec
+from pdproxy.testing.processes import free_ports
+from tests.conftest import FleetFactory
+from tests.integration.support import (
+    Answer,
+    metric_value,
+    open_raw_request,
+    post_json,
+    read_until,
+    request,
+)
+
+MODEL = "fake-model"
+GOOD = {"model": MODEL, "prompt": "hello", "max_tokens": 3}
+
+
+def assert_openai_error(answer: Answer, status: int, *fragments: str) -> dict[str, Any]:
+    assert answer.status == status, (answer.status, answer.body)
+    assert answer.headers["content-type"].startswith("application/json")
+    error = answer.json()["error"]
+    assert set(error) == {"message", "type", "param", "code"}
+    assert isinstance(error["message"], str) and error["message"]
+    for fragment in fragments:
+        assert fragment in error["message"], error["message"]
+    assert b"Traceback" not in answer.body
+    return dict(error)
+
+
+def set_behaviour(worker: Worker, **behaviour: Any) -> None:
+    data = json.dumps(behaviour).encode()
+    req = urllib.request.Request(worker.url + "/_fake/behaviour", data=data, method="POST")
+    with urllib.request.urlopen(req, timeout=5):
+        pass
+
+
+@pytest.fixture(scope="module")
+def fleet(tmp_path_factory: pytest.TempPathFactory) -> Iterator[LocalFleet]:
+    fleet = LocalFleet(
+        tmp_path_factory.mktemp("errors"),
+        [WorkerSpec("P"), WorkerSpec("D")],
+        proxy_args=[
+            "--max-body-bytes",
+            "4096",
+            "--prefill-timeout",
+            "1",
+            "--decode-first-byte-timeout",
+            "1",
+            "--retry-after-seconds",
+            "7",
+        ],
+    ).start()
+    try:
+        yield fleet
+    finally:
+        fleet.stop()
+
+
+@pytest.fixture(autouse=True)
+def clean_slate(fleet: LocalFleet) -> Iterator[None]:
+    fleet.reset_records()
+    yield
+    for worker in fleet.workers:
+        if worker.process.alive():
+            set_behaviour(worker)
+
+
+@pytest.mark.parametrize("path", ["/v1/completions", "/v1/chat/completions"])
+def test_invalid_json_is_400(fleet: LocalFleet, path: str) -> None:
+    answer = request(fleet.proxy_url + path, body=b'{"model": "fake-model", ')
+    assert_openai_error(answer, 400, "not valid JSON")
+
+
+@pytest.mark.parametrize(
+    ("body", "fragment"),
+    [(b"[1, 2]", "an array"), (b'"text"', "a string"), (b"42", "a number"), (b"null", "null")],
+)
+def test_body_not_an_object_is_400(fleet: LocalFleet, body: bytes, fragment: str) -> None:
+    answer = request(fleet.proxy_url + "/v1/completions", body=body)
+    assert_openai_error(answer, 400, "JSON object", fragment)
+
+
+@pytest.mark.parametrize("body", [{"prompt": "x"}, {"model": ""}, {"model": 7}])
+def test_missing_model_is_400(fleet: LocalFleet, body: dict[str, Any]) -> None:
+    answer = post_json(fleet.proxy_url + "/v1/completions", body)
+    error = assert_openai_error(answer, 400, "'model'")
+    assert error["param"] == "model"
+
+
+def test_body_over_limit_is_413(fleet: LocalFleet) -> None:
+    big = dict(GOOD, prompt="x" * 5000)
+    answer = post_json(fleet.proxy_url + "/v1/completions", big)
+    assert_openai_error(answer, 413, "4096")
+    assert not _completion_requests(fleet, "P") and not _completion_requests(fleet, "D")
+
+
+def test_chunked_body_over_limit_is_413(fleet: LocalFleet) -> None:
+    chunks = (b"x" * 1000 for _ in range(10))  # no Content-Length: http.client sends chunked
+    answer = request(fleet.proxy_url + "/v1/completions", body=chunks)  # type: ignore[arg-type]
+    assert_openai_error(answer, 413)
+
+
+def test_unknown_path_is_404(fleet: LocalFleet) -> None:
+    answer = request(fleet.proxy_url + "/v1/nothing-here", method="GET")
+    assert_openai_error(answer, 404)
+    answer = request(fleet.proxy_url + "/v1/embeddings", body=b"{}")
+    assert_openai_error(answer, 404)
+
+
+def test_wrong_method_is_405(fleet: LocalFleet) -> None:
+    answer = request(fleet.proxy_url + "/v1/completions", method="GET")
+    assert_openai_error(answer, 405, "POST")
+
+
+def test_no_instance_for_model_is_503_with_retry_after(fleet: LocalFleet) -> None:
+    answer = post_json(fleet.proxy_url + "/v1/completions", dict(GOOD, model="other-model"))
+    assert_openai_error(answer, 503, "other-model")
+    assert answer.headers["retry-after"] == "7"
+
+
+def test_prefill_5xx_is_502_naming_role_and_instance(fleet: LocalFleet) -> None:
+    prefill = fleet.role("P")[0]
+    set_behaviour(prefill, status=500)
+    answer = post_json(fleet.proxy_url + "/v1/completions", GOOD)
+    assert_openai_error(answer, 502, "prefill", prefill.http_address, "500")
+    assert not _decode_completion_requests(fleet), "decode must not be sent after a failed prefill"
+
+
+def test_decode_5xx_is_502_naming_role_and_instance(fleet: LocalFleet) -> None:
+    decode = fleet.role("D")[0]
+    set_behaviour(decode, status=503)
+    answer = post_json(fleet.proxy_url + "/v1/completions", GOOD)
+    assert_openai_error(answer, 502, "decode", decode.http_address, "503")
+
+
+def test_prefill_timeout_is_502(fleet: LocalFleet) -> None:
+    prefill = fleet.role("P")[0]
+    set_behaviour(prefill, delay_ms=3000)
+    started = time.monotonic()
+    answer = post_json(fleet.proxy_url + "/v1/completions", GOOD)
+    assert_openai_error(answer, 502, "prefill", prefill.http_address, "within 1s")
+    assert time.monotonic() - started < 2.9  # the bound fired, not the fake's own delay
+
+
+def test_decode_first_byte_timeout_is_502(fleet: LocalFleet) -> None:
+    decode = fleet.role("D")[0]
+    set_behaviour(decode, delay_ms=3000)
+    answer = post_json(fleet.proxy_url + "/v1/completions", dict(GOOD, stream=True))
+    assert_openai_error(answer, 502, "decode", decode.http_address, "first byte")
+
+
+def test_prefill_4xx_passes_through(fleet: LocalFleet) -> None:
+    answer = post_json(fleet.proxy_url + "/v1/completions", dict(GOOD, temperature=-1))
+    assert answer.status == 400
+    error = answer.json()["error"]
+    assert error["type"] == "BadRequestError" and "temperature" in error["message"]
+    assert not _decode_completion_requests(fleet)
+
+
+def test_decode_4xx_passes_through(fleet: LocalFleet) -> None:
+    # max_tokens beyond the context only fails on D: the prefill leg asks for one token.
+    answer = post_json(fleet.proxy_url + "/v1/completions", dict(GOOD, max_tokens=5000))
+    assert answer.status == 400
+    assert answer.json()["error"]["type"] == "BadRequestError"
+
+
+def test_upstream_error_body_is_vllms_own(fleet: LocalFleet) -> None:
+    decode = fleet.role("D")[0]
+    own = {
+        "error": {"message": "vLLM says no", "type": "BadRequestError", "param": None, "code": 422}
+    }
+    set_behaviour(decode, status=422, error_body=own)
+    answer = post_json(fleet.proxy_url + "/v1/completions", GOOD)
+    assert answer.status == 422 and answer.json() == own
+
+
+def test_errors_are_counted(fleet: LocalFleet) -> None:
+    set_behaviour(fleet.role("P")[0], status=500)
+    before = metric_value(
+        fleet.proxy_url, "pdproxy_upstream_errors_total", {"role": "prefill", "kind": "status_5xx"}
+    )
+    post_json(fleet.proxy_url + "/v1/completions", GOOD)
+    after = metric_value(
+        fleet.proxy_url, "pdproxy_upstream_errors_total", {"role": "prefill", "kind": "status_5xx"}
+    )
+    assert after == before + 1
+    assert (
+        metric_value(
+            fleet.proxy_url,
+            "pdproxy_requests_total",
+            {"endpoint": "/v1/completions", "status": "502"},
+        )
+        >= 1
+    )
+
+
+@pytest.mark.parametrize("dead_role", ["P", "D"])
+def test_connection_refused_is_502(fleet_factory: FleetFactory, dead_role: str) -> None:
+    http_port, kv_port = free_ports(2)
+    flag = "--prefill" if dead_role == "P" else "--decode"
+    live_role = "D" if dead_role == "P" else "P"
+    fleet = fleet_factory(
+        [WorkerSpec(live_role, announce="static")],  # type: ignore[arg-type]
+        proxy_args=[flag, f"http=127.0.0.1:{http_port},zmq=127.0.0.1:{kv_port}"],
+    )
+    answer = post_json(fleet.proxy_url + "/v1/completions", GOOD)
+    role = "prefill" if dead_role == "P" else "decode"
+    assert_openai_error(answer, 502, role, f"127.0.0.1:{http_port}", "connection failed")
+
+
+def test_decode_dying_mid_stream_ends_with_sse_error(fleet_factory: FleetFactory) -> None:
+    fleet = fleet_factory([WorkerSpec("P"), WorkerSpec("D", token_latency_ms=50)])
+    sock = open_raw_request(
+        fleet.proxy_url + "/v1/completions", dict(GOOD, max_tokens=400, stream=True)
+    )
+    head = read_until(sock, b"data: ", timeout=10)
+    assert b" 200 " in head.split(b"\r\n")[0]
+    fleet.role("D")[0].process.signal(signal.SIGKILL)
+    rest = read_until(sock, b"data: [DONE]", timeout=10)
+    sock.close()
+    events = [e for e in (head + rest).split(b"\n\n") if b'"error"' in e]
+    assert len(events) == 1, rest[-600:]
+    assert b"decode instance" in events[0]
+
+
+def _completion_requests(fleet: LocalFleet, role: str) -> list[dict[str, Any]]:
+    return [
+        r
+        for w in fleet.role(role)
+        for r in w.requests()
+        if r["path"] in ("/v1/completions", "/v1/chat/completions")
+    ]
+
+
+def _decode_completion_requests(fleet: LocalFleet) -> list[dict[str, Any]]:
+    return _completion_requests(fleet, "D")
