@@ -33,6 +33,7 @@ def serve(settings: Settings) -> int:
         access_log=False,
         log_level=settings.log_level,
         server_header=False,
+        proxy_headers=False,
     )
     server = uvicorn.Server(config)
     server.run()

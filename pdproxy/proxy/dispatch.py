@@ -89,7 +89,8 @@ class Dispatcher:
         try:
             async with asyncio.timeout(settings.prefill_timeout):
                 reply = await self._upstream.post(
-                    instance.base_url + request.path,
+                    instance.http_address,
+                    request.path,
                     request.prefill_body(),
                     headers,
                     settings.max_response_bytes,
@@ -129,7 +130,7 @@ class Dispatcher:
         try:
             async with asyncio.timeout(first_byte_limit) as deadline:
                 async with self._upstream.stream(
-                    "POST", instance.base_url + request.path, request.body, headers
+                    "POST", instance.http_address, request.path, request.body, headers
                 ) as stream:
                     if not 200 <= stream.status < 300:
                         body = await stream.read_all(settings.max_response_bytes)

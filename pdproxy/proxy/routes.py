@@ -81,7 +81,7 @@ def install_routes(api: FastAPI, app: PdproxyApp) -> None:
             try:
                 async with asyncio.timeout(state.settings.connect_timeout + 5):
                     reply = await state.upstream.get(
-                        instance.base_url + "/v1/models", headers, _MODELS_LIMIT
+                        instance.http_address, "/v1/models", headers, _MODELS_LIMIT
                     )
             except (TimeoutError, UpstreamError) as exc:
                 failures.append(f"{instance.name}: {exc or 'timeout'}")

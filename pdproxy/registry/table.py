@@ -7,7 +7,7 @@ membership or announced content changes.
 
 from __future__ import annotations
 
-from dataclasses import dataclass, field, replace
+from dataclasses import dataclass, replace
 from enum import StrEnum
 
 from pdproxy.ids import Address
@@ -38,10 +38,6 @@ class Instance:
     connector: Connector | None = None
     geometry: Geometry | None = None
     load: Load | None = None
-    base_url: str = field(init=False, compare=False)
-
-    def __post_init__(self) -> None:
-        object.__setattr__(self, "base_url", f"http://{self.http_address}")
 
     @property
     def name(self) -> str:
