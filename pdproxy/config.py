@@ -33,7 +33,7 @@ class StaticInstance(BaseModel):
 
     http: str
     zmq: str
-    model: str | None = None
+    model: str | None = Field(None, min_length=1, max_length=256)
 
     @model_validator(mode="before")
     @classmethod
@@ -168,22 +168,26 @@ def _from_env(environ: Mapping[str, str]) -> dict[str, Any]:
         if raw is None:
             continue
         if _is_list(name):
-            text = raw.strip()
-            values[name] = json.loads(text) if text.startswith("[") else _split(text)
+            values[name] = _list_from_env(name, raw.strip())
         else:
             values[name] = raw
     return values
 
 
-def _split(text: str) -> list[str]:
-    # Several instances in one variable: separated by ';' or whitespace.
-    return [item for chunk in text.split(";") for item in chunk.split() if item]
+def _list_from_env(name: str, text: str) -> Any:
+    """A JSON list, or items separated by ';' or newlines."""
+    if text.startswith("["):
+        try:
+            return json.loads(text)
+        except json.JSONDecodeError as exc:
+            raise ConfigError(f"{ENV_PREFIX}{name.upper()}: not a valid JSON list: {exc}") from None
+    return [item.strip() for item in text.replace("\n", ";").split(";") if item.strip()]
 
 
 def _from_yaml(path: str) -> dict[str, Any]:
     try:
         data = yaml.safe_load(Path(path).read_text(encoding="utf-8"))
-    except (OSError, yaml.YAMLError) as exc:
+    except (OSError, UnicodeDecodeError, yaml.YAMLError) as exc:
         raise ConfigError(f"config file {path}: {exc}") from None
     if data is None:
         return {}

@@ -33,10 +33,22 @@ class FleetView:
 
     prefills: tuple[Instance, ...]
     decodes_by_class: dict[str | None, tuple[Instance, ...]]
-    reason: str
+    serving_prefill: bool
+    serving_decode: bool
 
     def decodes_for(self, prefill: Instance) -> tuple[Instance, ...]:
         return self.decodes_by_class[class_key(prefill)]
+
+    def reason(self, model: str) -> str:
+        """Why nothing can serve `model` (views are shared by names nobody announced, so the
+        name is an argument, never remembered)."""
+        if not self.serving_prefill and not self.serving_decode:
+            return f"no prefill and no decode instance serves model {model!r}"
+        if not self.serving_prefill:
+            return f"no prefill instance serves model {model!r}"
+        if not self.serving_decode:
+            return f"no decode instance serves model {model!r}"
+        return f"no decode instance is compatible with a prefill instance for model {model!r}"
 
 
 def class_key(instance: Instance) -> str | None:
@@ -95,17 +107,7 @@ class FleetIndex:
                 decodes_by_class[p_key] = tuple(matched)
         if not serving_d:
             serving_d = any(_representative(m).serves(model) for m in self._decode_classes.values())
-        return FleetView(tuple(prefills), decodes_by_class, _reason(model, serving_p, serving_d))
-
-
-def _reason(model: str, serving_p: bool, serving_d: bool) -> str:
-    if not serving_p and not serving_d:
-        return f"no prefill and no decode instance serves model {model!r}"
-    if not serving_p:
-        return f"no prefill instance serves model {model!r}"
-    if not serving_d:
-        return f"no decode instance serves model {model!r}"
-    return f"no decode instance is compatible with a prefill instance for model {model!r}"
+        return FleetView(tuple(prefills), decodes_by_class, serving_p, serving_d)
 
 
 class Planner:
@@ -126,7 +128,7 @@ class Planner:
     def plan(self, snapshot: Snapshot, model: str) -> Pair | NoPair:
         view = self.index(snapshot).view(model)
         if not view.prefills:
-            return NoPair(view.reason)
+            return NoPair(view.reason(model))
         prefill = self._prefill_policy.choose(view.prefills, self._prefill_ticket)
         self._prefill_ticket += 1
         decode = self._decode_policy.choose(view.decodes_for(prefill), self._decode_ticket)

@@ -113,10 +113,10 @@ def parse_message(payload: object) -> Message:
     if not isinstance(payload, dict):
         raise Rejected(Reason.NOT_A_MAP, f"expected a map, got {type(payload).__name__}")
     version = payload.get("v", 0)
-    if version == 0 and "v" not in payload:
-        return _announcement(payload, version=0)
-    if version != 1 or isinstance(version, bool):
+    if not _is_int(version) or version not in (0, 1):
         raise Rejected(Reason.UNSUPPORTED_VERSION, f"unsupported v={_short(version)}")
+    if version == 0:
+        return _announcement(payload, version=0)
     op = payload.get("op", "announce")
     if op == "announce":
         return _announcement(payload, version=1)
@@ -249,5 +249,8 @@ def _is_int(value: object) -> bool:
 
 
 def _short(value: object, limit: int = 64) -> str:
+    # Containers are named, never printed: a hostile frame may nest a thousand levels deep.
+    if not isinstance(value, str | bytes | int | float | bool) and value is not None:
+        return f"<{type(value).__name__}>"
     text = repr(value)
     return text if len(text) <= limit else text[: limit - 3] + "..."

@@ -125,23 +125,28 @@ class RegistryTable:
             self._changed()
             return Change.REGISTERED, incoming
         if key in self._static:
-            # Static instances are the operator's word: an announcement may not move them.
-            if (incoming.role, incoming.zmq_address) != (
-                entry.instance.role,
-                entry.instance.zmq_address,
-            ):
-                raise Rejected(
-                    Reason.STATIC_CONFLICT,
-                    f"{key} is configured statically as {entry.instance.role.value} "
-                    f"with zmq {entry.instance.zmq_address}",
-                )
-            incoming = replace(incoming, source=Source.STATIC)
+            incoming = self._merge_static(entry.instance, incoming)
         if incoming == entry.instance:
             self._entries[key] = replace(entry, last_seen=now)
             return Change.REFRESHED, entry.instance
         self._entries[key] = Entry(incoming, entry.first_seen, now)
         self._changed()
         return Change.UPDATED, incoming
+
+    @staticmethod
+    def _merge_static(static: Instance, incoming: Instance) -> Instance:
+        """Static instances are the operator's word: an announcement may add what the operator
+        left out (model, geometry, load) but may not move or rename them."""
+        model_conflict = static.model is not None and incoming.model not in (None, static.model)
+        if (incoming.role, incoming.zmq_address) != (static.role, static.zmq_address) or (
+            model_conflict
+        ):
+            raise Rejected(
+                Reason.STATIC_CONFLICT,
+                f"{static.name} is configured statically as {static.role.value} with zmq "
+                f"{static.zmq_address}" + (f" and model {static.model}" if static.model else ""),
+            )
+        return replace(incoming, source=Source.STATIC, model=static.model or incoming.model)
 
     def remove(self, http_address: Address) -> Instance | None:
         """A v1 `leave`. Static instances stay: only the operator removes them."""

@@ -1,0 +1,307 @@
+"""The pooled HTTP/1.1 client against real loopback servers that answer in every shape."""
+
+from __future__ import annotations
+
+import asyncio
+from collections.abc import Awaitable, Callable
+from typing import Any
+
+import pytest
+
+from pdproxy.config import Settings
+from pdproxy.ids import Address
+from pdproxy.proxy import upstream as upstream_module
+from pdproxy.proxy.upstream import Upstream, UpstreamError
+
+Handler = Callable[[asyncio.StreamReader, asyncio.StreamWriter], Awaitable[None]]
+HEADERS = {"Content-Type": "application/json", "X-Request-Id": "rid"}
+
+
+async def read_request(reader: asyncio.StreamReader) -> tuple[bytes, bytes]:
+    head = await reader.readuntil(b"\r\n\r\n")
+    length = 0
+    for line in head.split(b"\r\n"):
+        if line.lower().startswith(b"content-length:"):
+            length = int(line.split(b":", 1)[1])
+    body = await reader.readexactly(length) if length else b""
+    return head, body
+
+
+def answer(body: bytes, extra: bytes = b"") -> bytes:
+    return (
+        b"HTTP/1.1 200 OK\r\nContent-Type: application/json\r\nContent-Length: "
+        + str(len(body)).encode()
+        + b"\r\n"
+        + extra
+        + b"\r\n"
+        + body
+    )
+
+
+class Server:
+    def __init__(self, handler: Handler) -> None:
+        self.handler = handler
+        self.connections = 0
+        self.server: asyncio.Server | None = None
+
+    async def __aenter__(self) -> Server:
+        async def on_connect(reader: asyncio.StreamReader, writer: asyncio.StreamWriter) -> None:
+            self.connections += 1
+            try:
+                await self.handler(reader, writer)
+            except (ConnectionError, asyncio.IncompleteReadError):
+                pass
+            finally:
+                writer.close()
+
+        self.server = await asyncio.start_server(on_connect, "127.0.0.1", 0)
+        self._address = Address("127.0.0.1", self.server.sockets[0].getsockname()[1])
+        return self
+
+    async def __aexit__(self, *exc: object) -> None:
+        assert self.server is not None
+        self.server.close()
+
+    @property
+    def address(self) -> Address:
+        return self._address
+
+
+async def with_client(test: Callable[[Upstream], Awaitable[Any]]) -> Any:
+    client = Upstream(Settings(connect_timeout=2))
+    await client.start()
+    try:
+        async with asyncio.timeout(20):
+            return await test(client)
+    finally:
+        await client.close()
+
+
+async def keep_alive_echo(reader: asyncio.StreamReader, writer: asyncio.StreamWriter) -> None:
+    while True:
+        _, body = await read_request(reader)
+        writer.write(answer(b'{"echo": ' + body + b"}"))
+        await writer.drain()
+
+
+def test_keep_alive_reuses_one_connection() -> None:
+    async def scenario() -> None:
+        async with Server(keep_alive_echo) as server:
+
+            async def test(client: Upstream) -> None:
+                for i in range(5):
+                    reply = await client.post(server.address, "/x", b"%d" % i, HEADERS, 1000)
+                    assert reply.status == 200
+                    assert reply.body == b'{"echo": %d}' % i
+                    assert reply.content_type == "application/json"
+
+            await with_client(test)
+            assert server.connections == 1
+
+    asyncio.run(scenario())
+
+
+def test_request_head_carries_headers_and_length() -> None:
+    seen: list[bytes] = []
+
+    async def record(reader: asyncio.StreamReader, writer: asyncio.StreamWriter) -> None:
+        head, body = await read_request(reader)
+        seen.append(head + body)
+        writer.write(answer(b"{}"))
+        await writer.drain()
+
+    async def scenario() -> None:
+        async with Server(record) as server:
+            await with_client(
+                lambda c: c.post(server.address, "/v1/completions", b'{"a":1}', HEADERS, 100)
+            )
+        request = seen[0]
+        assert request.startswith(b"POST /v1/completions HTTP/1.1\r\n")
+        assert f"Host: {server.address}\r\n".encode() in request
+        assert b"X-Request-Id: rid\r\n" in request
+        assert b"Content-Length: 7\r\n" in request
+        assert request.endswith(b'\r\n\r\n{"a":1}')
+
+    asyncio.run(scenario())
+
+
+def test_chunked_answer_streams_piece_by_piece() -> None:
+    release = asyncio.Event()
+
+    async def chunked(reader: asyncio.StreamReader, writer: asyncio.StreamWriter) -> None:
+        await read_request(reader)
+        writer.write(
+            b"HTTP/1.1 200 OK\r\nContent-Type: text/event-stream\r\n"
+            b"Transfer-Encoding: chunked\r\n\r\n6\r\nfirst\n\r\n"
+        )
+        await writer.drain()
+        await release.wait()
+        writer.write(b"7\r\nsecond\n\r\n0\r\n\r\n")
+        await writer.drain()
+        await reader.read()  # keep the connection until the client leaves
+
+    async def scenario() -> None:
+        async with Server(chunked) as server:
+
+            async def test(client: Upstream) -> None:
+                async with client.stream("POST", server.address, "/", b"{}", HEADERS) as stream:
+                    assert stream.status == 200
+                    assert stream.content_type == "text/event-stream"
+                    assert await stream.next_chunk() == b"first\n"  # before the rest exists
+                    release.set()
+                    assert await stream.next_chunk() == b"second\n"
+                    assert await stream.next_chunk() == b""
+
+            await with_client(test)
+
+    asyncio.run(scenario())
+
+
+def test_body_until_close() -> None:
+    async def until_close(reader: asyncio.StreamReader, writer: asyncio.StreamWriter) -> None:
+        await read_request(reader)
+        writer.write(b"HTTP/1.1 200 OK\r\nConnection: close\r\n\r\nall of it")
+        await writer.drain()
+
+    async def scenario() -> None:
+        async with Server(until_close) as server:
+            reply = await with_client(lambda c: c.get(server.address, "/", {}, 100))
+            assert reply.body == b"all of it"
+
+    asyncio.run(scenario())
+
+
+def test_stale_pooled_connection_is_replaced_transparently() -> None:
+    async def once_per_connection(
+        reader: asyncio.StreamReader, writer: asyncio.StreamWriter
+    ) -> None:
+        await read_request(reader)
+        writer.write(answer(b"{}"))  # claims keep-alive, then closes anyway
+        await writer.drain()
+
+    async def scenario() -> None:
+        async with Server(once_per_connection) as server:
+
+            async def test(client: Upstream) -> None:
+                for _ in range(3):
+                    reply = await client.post(server.address, "/", b"{}", HEADERS, 100)
+                    assert reply.status == 200
+                    await asyncio.sleep(0.05)  # let the close arrive
+
+            await with_client(test)
+            assert server.connections == 3
+
+    asyncio.run(scenario())
+
+
+def test_reset_mid_body_is_an_error() -> None:
+    async def cut(reader: asyncio.StreamReader, writer: asyncio.StreamWriter) -> None:
+        await read_request(reader)
+        writer.write(b"HTTP/1.1 200 OK\r\nContent-Length: 100\r\n\r\nonly part")
+        await writer.drain()
+
+    async def scenario() -> None:
+        async with Server(cut) as server:
+            with pytest.raises(UpstreamError) as caught:
+                await with_client(lambda c: c.post(server.address, "/", b"{}", HEADERS, 1000))
+            assert caught.value.kind == "reset"
+
+    asyncio.run(scenario())
+
+
+def test_refused_connection() -> None:
+    async def scenario() -> None:
+        async with Server(keep_alive_echo) as server:
+            address = server.address
+        with pytest.raises(UpstreamError) as caught:
+            await with_client(lambda c: c.post(address, "/", b"{}", HEADERS, 100))
+        assert caught.value.kind == "connect"
+
+    asyncio.run(scenario())
+
+
+def test_malformed_answer_is_a_protocol_error() -> None:
+    async def garbage(reader: asyncio.StreamReader, writer: asyncio.StreamWriter) -> None:
+        await read_request(reader)
+        writer.write(b"THIS IS NOT HTTP\r\n\r\n")
+        await writer.drain()
+        await reader.read()
+
+    async def scenario() -> None:
+        async with Server(garbage) as server:
+            with pytest.raises(UpstreamError) as caught:
+                await with_client(lambda c: c.post(server.address, "/", b"{}", HEADERS, 100))
+            assert caught.value.kind == "protocol"
+
+    asyncio.run(scenario())
+
+
+def test_answer_over_limit() -> None:
+    async def scenario() -> None:
+        async with Server(keep_alive_echo) as server:
+            with pytest.raises(UpstreamError) as caught:
+                await with_client(lambda c: c.post(server.address, "/", b"1" * 500, HEADERS, 100))
+            assert caught.value.kind == "too_large"
+
+    asyncio.run(scenario())
+
+
+def test_slow_reader_applies_back_pressure() -> None:
+    total = 16 * 1024 * 1024
+
+    async def flood(reader: asyncio.StreamReader, writer: asyncio.StreamWriter) -> None:
+        await read_request(reader)
+        writer.write(b"HTTP/1.1 200 OK\r\nContent-Length: %d\r\n\r\n" % total)
+        piece = b"x" * 65536
+        for _ in range(total // len(piece)):
+            writer.write(piece)
+            await writer.drain()
+
+    async def scenario() -> None:
+        async with Server(flood) as server:
+
+            async def test(client: Upstream) -> None:
+                async with client.stream("GET", server.address, "/", None, {}) as stream:
+                    connection = stream._connection
+                    received = peak = 0
+                    while chunk := await stream.next_chunk():
+                        received += len(chunk)
+                        await asyncio.sleep(0.001)  # a slow client
+                        peak = max(peak, connection._buffered)
+                    assert received == total
+                    # Reading paused at the high-water mark: buffered bytes stay bounded.
+                    assert peak <= upstream_module._HIGH_WATER + 512 * 1024
+
+            await with_client(test)
+
+    asyncio.run(scenario())
+
+
+def test_leaving_a_stream_early_closes_the_connection() -> None:
+    closed = asyncio.Event()
+
+    async def endless(reader: asyncio.StreamReader, writer: asyncio.StreamWriter) -> None:
+        await read_request(reader)
+        writer.write(b"HTTP/1.1 200 OK\r\nTransfer-Encoding: chunked\r\n\r\n")
+        try:
+            while True:
+                writer.write(b"2\r\nok\r\n")
+                await writer.drain()
+                await asyncio.sleep(0.01)
+        except ConnectionError:
+            closed.set()
+            raise
+
+    async def scenario() -> None:
+        async with Server(endless) as server:
+
+            async def test(client: Upstream) -> None:
+                async with client.stream("POST", server.address, "/", b"{}", HEADERS) as stream:
+                    assert await stream.next_chunk()
+                async with asyncio.timeout(2):
+                    await closed.wait()  # the instance saw us go
+                assert not client._pools  # and the connection was not pooled for reuse
+
+            await with_client(test)
+
+    asyncio.run(scenario())

@@ -1,0 +1,462 @@
+"""pdproxy.config: defaults < YAML (--config) < PDPROXY_* env < flags, and refusals that name
+the field."""
+
+from __future__ import annotations
+
+import argparse
+import re
+from collections.abc import Sequence
+from pathlib import Path
+from typing import Any
+
+import pytest
+from pydantic import SecretStr
+
+from pdproxy.cli import build_parser
+from pdproxy.config import ENV_PREFIX, ConfigError, Settings, StaticInstance, load_settings
+from pdproxy.ids import Address
+
+P1 = "http=10.0.0.1:8100,zmq=10.0.0.1:21001"
+P2 = "http=10.0.0.2:8100,zmq=10.0.0.2:21001,model=m"
+D1 = "http=10.0.1.1:8200,zmq=10.0.1.1:22001"
+
+
+def static(http: str, zmq: str, model: str | None = None) -> StaticInstance:
+    return StaticInstance(http=http, zmq=zmq, model=model)
+
+
+SP1 = static("10.0.0.1:8100", "10.0.0.1:21001")
+SP2 = static("10.0.0.2:8100", "10.0.0.2:21001", "m")
+SD1 = static("10.0.1.1:8200", "10.0.1.1:22001")
+
+
+DEFAULTS = Settings.model_validate({})
+
+
+def flags(*argv: str) -> argparse.Namespace:
+    """What main() hands to `serve`: the parsed namespace without func/command."""
+    args = build_parser().parse_args(["serve", *argv])
+    del args.func, args.command
+    return args
+
+
+def load(argv: Sequence[str] = (), environ: dict[str, str] | None = None) -> Settings:
+    return load_settings(flags(*argv), environ={} if environ is None else environ)
+
+
+def yaml_file(tmp_path: Path, text: str, name: str = "pdproxy.yaml") -> str:
+    path = tmp_path / name
+    path.write_text(text, encoding="utf-8")
+    return str(path)
+
+
+def value(settings: Settings, name: str) -> Any:
+    item = getattr(settings, name)
+    return item.get_secret_value() if isinstance(item, SecretStr) else item
+
+
+# One (command-line text, parsed value) per Settings field. A new field without an entry here
+# fails test_every_field_is_covered, so nothing is configurable in one place only.
+SAMPLES: dict[str, tuple[str, Any]] = {
+    "host": ("127.0.0.2", "127.0.0.2"),
+    "port": ("9001", 9001),
+    "registry_bind": ("tcp://127.0.0.1:31001", "tcp://127.0.0.1:31001"),
+    "ttl": ("2.5", 2.5),
+    "prefill": (P2, [SP2]),
+    "decode": (D1, [SD1]),
+    "max_instances": ("7", 7),
+    "registry_max_message_bytes": ("1024", 1024),
+    "max_body_bytes": ("2048", 2048),
+    "max_response_bytes": ("4096", 4096),
+    "upstream_api_key": ("sk-test", "sk-test"),
+    "connect_timeout": ("1.5", 1.5),
+    "prefill_timeout": ("30", 30.0),
+    "decode_first_byte_timeout": ("12.5", 12.5),
+    "stream_idle_timeout": ("13", 13.0),
+    "request_timeout": ("14", 14.0),
+    "retry_after_seconds": ("3", 3),
+    "upstream_max_connections": ("16", 16),
+    "log_level": ("debug", "debug"),
+}
+
+
+def flag_of(name: str) -> str:
+    return "--" + name.replace("_", "-")
+
+
+def env_of(name: str) -> str:
+    return ENV_PREFIX + name.upper()
+
+
+# ---------------------------------------------------------------------------------------------
+# defaults and coverage
+
+
+def test_every_field_is_covered() -> None:
+    assert set(SAMPLES) == set(Settings.model_fields)
+
+
+def test_defaults() -> None:
+    settings = load_settings(None, environ={})
+    assert settings == DEFAULTS
+    assert load() == settings
+    assert settings.host == "0.0.0.0"
+    assert settings.port == 8000
+    assert settings.registry_bind == "tcp://0.0.0.0:30001"
+    assert settings.ttl == 10.0
+    assert settings.prefill == [] and settings.decode == []
+    assert settings.max_instances == 4096
+    assert settings.registry_max_message_bytes == 65536
+    assert settings.max_body_bytes == 32 * 1024 * 1024
+    assert settings.max_response_bytes == 64 * 1024 * 1024
+    assert settings.upstream_api_key is None
+    assert settings.connect_timeout == 5.0
+    assert settings.prefill_timeout == 600.0
+    assert settings.decode_first_byte_timeout == 120.0
+    assert settings.stream_idle_timeout == 120.0
+    assert settings.request_timeout == 3600.0
+    assert settings.retry_after_seconds == 2
+    assert settings.upstream_max_connections == 4096
+    assert settings.log_level == "info"
+
+
+def test_unset_flags_do_not_appear_in_the_namespace() -> None:
+    assert vars(flags()) == {"config": None}
+
+
+@pytest.mark.parametrize("name", sorted(SAMPLES))
+def test_every_field_has_a_flag(name: str) -> None:
+    text, expected = SAMPLES[name]
+    settings = load([flag_of(name), text])
+    assert value(settings, name) == expected
+    untouched = DEFAULTS
+    for other in Settings.model_fields.keys() - {name}:
+        assert getattr(settings, other) == getattr(untouched, other), other
+
+
+@pytest.mark.parametrize("name", sorted(SAMPLES))
+def test_every_field_has_an_env_name(name: str) -> None:
+    text, expected = SAMPLES[name]
+    settings = load_settings(None, environ={env_of(name): text})
+    assert value(settings, name) == expected
+
+
+@pytest.mark.parametrize("name", sorted(SAMPLES))
+def test_every_field_can_be_set_in_yaml(name: str, tmp_path: Path) -> None:
+    text, expected = SAMPLES[name]
+    item = f"[{text!r}]" if name in ("prefill", "decode") else repr(text)
+    path = yaml_file(tmp_path, f"{name}: {item}\n")
+    assert value(load(["--config", path]), name) == expected
+
+
+def test_serve_help_lists_every_flag_and_env_name(
+    capsys: pytest.CaptureFixture[str], monkeypatch: pytest.MonkeyPatch
+) -> None:
+    monkeypatch.setenv("COLUMNS", "100")
+    with pytest.raises(SystemExit) as info:
+        build_parser().parse_args(["serve", "--help"])
+    assert info.value.code == 0
+    out = capsys.readouterr().out
+    assert re.search(r"(^|\s)--config FILE\b", out)
+    for name, field in Settings.model_fields.items():
+        assert re.search(rf"(^|\s){re.escape(flag_of(name))}\b", out), name
+        assert env_of(name) in out, name
+        assert field.description, name
+        # The description's first words are in the help too (argparse may rewrap the rest).
+        first_words = " ".join(field.description.split()[:2])
+        assert first_words in " ".join(out.split()), name
+
+
+# ---------------------------------------------------------------------------------------------
+# precedence: defaults < YAML < env < flags
+
+
+@pytest.mark.parametrize(
+    ("in_yaml", "in_env", "in_flags", "expected"),
+    [
+        (False, False, False, 8000),
+        (True, False, False, 1111),
+        (False, True, False, 2222),
+        (True, True, False, 2222),
+        (False, False, True, 3333),
+        (True, False, True, 3333),
+        (False, True, True, 3333),
+        (True, True, True, 3333),
+    ],
+)
+def test_precedence(
+    tmp_path: Path, in_yaml: bool, in_env: bool, in_flags: bool, expected: int
+) -> None:
+    argv: list[str] = []
+    if in_yaml:
+        argv += ["--config", yaml_file(tmp_path, "port: 1111\nttl: 4\n")]
+    environ = {"PDPROXY_PORT": "2222"} if in_env else {}
+    if in_flags:
+        argv += ["--port", "3333"]
+    settings = load(argv, environ)
+    assert settings.port == expected
+    assert settings.ttl == (4.0 if in_yaml else 10.0)  # other YAML keys survive
+
+
+def test_precedence_is_per_field(tmp_path: Path) -> None:
+    path = yaml_file(tmp_path, "port: 1111\nttl: 1\nhost: 10.9.9.9\nlog_level: error\n")
+    settings = load(
+        ["--config", path, "--ttl", "3"],
+        {"PDPROXY_TTL": "2", "PDPROXY_HOST": "10.8.8.8"},
+    )
+    assert (settings.port, settings.ttl, settings.host, settings.log_level) == (
+        1111,
+        3.0,
+        "10.8.8.8",
+        "error",
+    )
+
+
+def test_config_path_from_env(tmp_path: Path) -> None:
+    path = yaml_file(tmp_path, "port: 1111\n")
+    assert load_settings(None, environ={"PDPROXY_CONFIG": path}).port == 1111
+    assert load([], {"PDPROXY_CONFIG": path}).port == 1111
+
+
+def test_config_flag_wins_over_config_env(tmp_path: Path) -> None:
+    from_env = yaml_file(tmp_path, "port: 1111\n", "env.yaml")
+    from_flag = yaml_file(tmp_path, "port: 4444\n", "flag.yaml")
+    assert load(["--config", from_flag], {"PDPROXY_CONFIG": from_env}).port == 4444
+
+
+def test_empty_yaml_is_all_defaults(tmp_path: Path) -> None:
+    assert load(["--config", yaml_file(tmp_path, "")]) == DEFAULTS
+    assert load(["--config", yaml_file(tmp_path, "# nothing\n", "c.yaml")]) == DEFAULTS
+
+
+def test_yaml_keys_may_use_dashes(tmp_path: Path) -> None:
+    path = yaml_file(tmp_path, "max-instances: 9\nretry-after-seconds: 5\n")
+    settings = load(["--config", path])
+    assert (settings.max_instances, settings.retry_after_seconds) == (9, 5)
+
+
+def test_unrelated_env_is_ignored() -> None:
+    environ = {"PORT": "1", "PDPROXY": "x", "PDPROXY_UNKNOWN": "y", "pdproxy_port": "2"}
+    assert load_settings(None, environ=environ) == DEFAULTS
+
+
+def test_namespace_with_only_settings_keys() -> None:
+    settings = load_settings(argparse.Namespace(port="9100", ttl="1"), environ={})
+    assert (settings.port, settings.ttl) == (9100, 1.0)
+
+
+def test_upstream_api_key_is_secret() -> None:
+    settings = load(["--upstream-api-key", "sk-secret"])
+    assert settings.upstream_api_key is not None
+    assert "sk-secret" not in repr(settings)
+    assert "sk-secret" not in str(settings.upstream_api_key)
+
+
+# ---------------------------------------------------------------------------------------------
+# static instances
+
+
+def test_static_from_repeated_flags() -> None:
+    settings = load(["--prefill", P1, "--prefill", P2, "--decode", D1])
+    assert settings.prefill == [SP1, SP2]
+    assert settings.decode == [SD1]
+    assert settings.prefill[0].http_address == Address("10.0.0.1", 8100)
+    assert settings.prefill[0].zmq_address == Address("10.0.0.1", 21001)
+    assert settings.prefill[0].model is None
+    assert settings.prefill[1].model == "m"
+
+
+def test_static_spec_order_and_spaces_do_not_matter() -> None:
+    settings = load(["--prefill", "model=m, zmq=10.0.0.2:21001 ,http=10.0.0.2:8100"])
+    assert settings.prefill == [SP2]
+
+
+def test_static_from_env_semicolons() -> None:
+    settings = load_settings(
+        None, environ={"PDPROXY_PREFILL": f"{P1};{P2}", "PDPROXY_DECODE": f" {D1} ;"}
+    )
+    assert settings.prefill == [SP1, SP2]
+    assert settings.decode == [SD1]
+
+
+def test_static_from_env_allows_spaces_inside_a_spec() -> None:
+    spaced = "http=10.0.0.1:8100, zmq=10.0.0.1:21001"
+    assert load_settings(None, environ={"PDPROXY_PREFILL": spaced}).prefill == [SP1]
+
+
+def test_static_model_may_not_be_empty() -> None:
+    with pytest.raises(ConfigError, match="prefill"):
+        load(["--prefill", f"{P1},model="])
+
+
+def test_static_from_env_whitespace_and_json() -> None:
+    assert load_settings(None, environ={"PDPROXY_PREFILL": f"{P1}\n{P2}"}).prefill == [SP1, SP2]
+    json_list = f'["{P1}", {{"http": "10.0.0.2:8100", "zmq": "10.0.0.2:21001", "model": "m"}}]'
+    assert load_settings(None, environ={"PDPROXY_PREFILL": json_list}).prefill == [SP1, SP2]
+
+
+def test_static_from_yaml_lists(tmp_path: Path) -> None:
+    path = yaml_file(
+        tmp_path,
+        f"prefill:\n  - {P1}\n  - http: 10.0.0.2:8100\n    zmq: 10.0.0.2:21001\n    model: m\n"
+        f"decode: [{D1!r}]\n",
+    )
+    settings = load(["--config", path])
+    assert settings.prefill == [SP1, SP2]
+    assert settings.decode == [SD1]
+
+
+def test_static_lists_are_replaced_not_merged(tmp_path: Path) -> None:
+    path = yaml_file(tmp_path, f"prefill: [{P1!r}]\n")
+    assert load(["--config", path], {"PDPROXY_PREFILL": P2}).prefill == [SP2]
+    assert (
+        load(
+            ["--config", path],
+            {"PDPROXY_PREFILL": P2},
+        ).decode
+        == []
+    )
+    assert load(["--config", path, "--prefill", P2]).prefill == [SP2]
+    assert load(["--prefill", P1], {"PDPROXY_PREFILL": P2}).prefill == [SP1]
+
+
+# ---------------------------------------------------------------------------------------------
+# refusals: ConfigError naming the field
+
+
+def config_error(argv: Sequence[str] = (), environ: dict[str, str] | None = None) -> str:
+    with pytest.raises(ConfigError) as info:
+        load(argv, environ)
+    message = str(info.value)
+    assert message
+    return message
+
+
+@pytest.mark.parametrize(
+    ("argv", "field"),
+    [
+        (["--port", "0"], "port"),
+        (["--port", "65536"], "port"),
+        (["--port", "http"], "port"),
+        (["--ttl", "0"], "ttl"),
+        (["--ttl", "-1"], "ttl"),
+        (["--ttl", "soon"], "ttl"),
+        (["--max-instances", "0"], "max_instances"),
+        (["--registry-max-message-bytes", "255"], "registry_max_message_bytes"),
+        (["--max-body-bytes", "1023"], "max_body_bytes"),
+        (["--connect-timeout", "0"], "connect_timeout"),
+        (["--retry-after-seconds", "0"], "retry_after_seconds"),
+        (["--upstream-max-connections", "0"], "upstream_max_connections"),
+        (["--log-level", "verbose"], "log_level"),
+    ],
+)
+def test_invalid_flag_values(argv: list[str], field: str) -> None:
+    assert re.search(rf"\b{field}\b", config_error(argv))
+
+
+@pytest.mark.parametrize(
+    ("name", "text"), [("port", "0"), ("ttl", "0"), ("max_instances", "-5"), ("log_level", "x")]
+)
+def test_invalid_env_values(name: str, text: str) -> None:
+    assert re.search(rf"\b{name}\b", config_error(environ={env_of(name): text}))
+
+
+def test_invalid_yaml_value(tmp_path: Path) -> None:
+    path = yaml_file(tmp_path, "port: 0\n")
+    assert re.search(r"\bport\b", config_error(["--config", path]))
+
+
+@pytest.mark.parametrize(
+    "spec",
+    [
+        "nonsense",
+        "http=10.0.0.1:8100",  # no zmq
+        "zmq=10.0.0.1:21001",  # no http
+        "http=10.0.0.1:8100,zmq=10.0.0.1:21001,gpu=0",
+        "http=10.0.0.1:8100,http=10.0.0.2:8100,zmq=10.0.0.1:21001",
+        "http=10.0.0.1,zmq=10.0.0.1:21001",  # no port
+        "http=10.0.0.1:0,zmq=10.0.0.1:21001",
+        "http=10.0.0.1:8100,zmq=10.0.0.1:70000",
+        "http=a___b:8100,zmq=10.0.0.1:21001",
+        "http 10.0.0.1:8100 zmq 10.0.0.1:21001",
+        "",
+    ],
+)
+@pytest.mark.parametrize("role", ["prefill", "decode"])
+def test_bad_static_spec(role: str, spec: str) -> None:
+    message = config_error([f"--{role}", spec])
+    assert re.search(rf"\b{role}\b", message)
+
+
+@pytest.mark.parametrize(
+    "spec",
+    [
+        "http=[::1]:8100,zmq=10.0.0.1:21001",
+        "http=10.0.0.1:8100,zmq=[::1]:21001",
+        "http=fe80::1:8100,zmq=fe80::1:21001",
+    ],
+)
+def test_ipv6_static_address(spec: str) -> None:
+    message = config_error(["--prefill", spec])
+    assert re.search(r"\bprefill\b", message)
+    assert "IPv6" in message
+
+
+def test_bad_static_spec_from_env() -> None:
+    message = config_error(environ={"PDPROXY_DECODE": f"{D1};http=[::1]:1,zmq=[::1]:2"})
+    assert re.search(r"\bdecode\b", message)
+    assert "IPv6" in message
+
+
+def test_bad_static_spec_from_yaml(tmp_path: Path) -> None:
+    path = yaml_file(tmp_path, "prefill:\n  - http: 10.0.0.1:8100\n    zmq: 10.0.0.1:0\n")
+    assert re.search(r"\bprefill\b", config_error(["--config", path]))
+
+
+def test_static_json_env_must_be_valid_json() -> None:
+    # PDPROXY_PREFILL starting with '[' is read as JSON; broken JSON must be a ConfigError that
+    # names the variable, not a json.JSONDecodeError traceback.
+    with pytest.raises(ConfigError, match=r"PDPROXY_PREFILL|prefill"):
+        load_settings(None, environ={"PDPROXY_PREFILL": f"[{P1}]"})
+
+
+def test_unknown_yaml_key(tmp_path: Path) -> None:
+    path = yaml_file(tmp_path, "port: 8001\nbogus_key: 1\n")
+    message = config_error(["--config", path])
+    assert "bogus_key" in message
+
+
+def test_yaml_config_key_is_unknown(tmp_path: Path) -> None:
+    path = yaml_file(tmp_path, "config: other.yaml\n")
+    assert re.search(r"\bconfig\b", config_error(["--config", path]))
+
+
+@pytest.mark.parametrize(
+    "text", ["port: [1, 2\n", "port: 1\n  bad indent: :\n", "\t- tab\n", "a: b: c\n"]
+)
+def test_unparsable_yaml(tmp_path: Path, text: str) -> None:
+    path = yaml_file(tmp_path, text)
+    assert path in config_error(["--config", path])
+
+
+@pytest.mark.parametrize("text", ["- port: 1\n", "just a string\n", "42\n"])
+def test_yaml_must_be_a_mapping(tmp_path: Path, text: str) -> None:
+    path = yaml_file(tmp_path, text)
+    message = config_error(["--config", path])
+    assert path in message
+    assert "expected a mapping" in message
+
+
+def test_missing_yaml_file(tmp_path: Path) -> None:
+    path = str(tmp_path / "missing.yaml")
+    assert path in config_error(["--config", path])
+
+
+def test_yaml_path_is_a_directory(tmp_path: Path) -> None:
+    assert str(tmp_path) in config_error(["--config", str(tmp_path)])
+
+
+def test_yaml_file_not_utf8(tmp_path: Path) -> None:
+    path = tmp_path / "latin1.yaml"
+    path.write_bytes(b"host: caf\xe9\n")
+    assert str(path) in config_error(["--config", str(path)])

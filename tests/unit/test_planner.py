@@ -1,0 +1,419 @@
+"""pdproxy.pairing: compatibility, the round-robin policy, the planner and readiness. Pure."""
+
+from __future__ import annotations
+
+import random
+import string
+from collections import Counter
+
+import pytest
+from hypothesis import given, settings
+from hypothesis import strategies as st
+
+from pdproxy.ids import Address
+from pdproxy.pairing.compatibility import compatible, models_agree
+from pdproxy.pairing.planner import (
+    FleetIndex,
+    NoPair,
+    Pair,
+    Planner,
+    Readiness,
+    readiness,
+)
+from pdproxy.pairing.policies.base import Policy
+from pdproxy.pairing.policies.round_robin import RoundRobin
+from pdproxy.registry.messages import Role
+from pdproxy.registry.table import Instance, Snapshot, Source
+
+# Deterministic and load-tolerant: same examples every run, no deadline, no example database.
+PROFILE = settings(derandomize=True, database=None, deadline=None)
+
+
+def p(n: int, model: str | None = "m", source: Source | None = None) -> Instance:
+    src = source if source is not None else (Source.V0 if model is None else Source.V1)
+    return Instance(
+        Role.PREFILL, Address(f"10.0.0.{n}", 8100), Address(f"10.0.0.{n}", 21001), src, model=model
+    )
+
+
+def d(n: int, model: str | None = "m", source: Source | None = None) -> Instance:
+    src = source if source is not None else (Source.V0 if model is None else Source.V1)
+    return Instance(
+        Role.DECODE, Address(f"10.0.1.{n}", 8200), Address(f"10.0.1.{n}", 22001), src, model=model
+    )
+
+
+def snap(
+    prefills: tuple[Instance, ...], decodes: tuple[Instance, ...], version: int = 1
+) -> Snapshot:
+    return Snapshot(version, prefills, decodes)
+
+
+def planner() -> Planner:
+    return Planner(RoundRobin(), RoundRobin())
+
+
+def pairs(pl: Planner, snapshot: Snapshot, model: str, n: int) -> list[Pair]:
+    out: list[Pair] = []
+    for _ in range(n):
+        result = pl.plan(snapshot, model)
+        assert isinstance(result, Pair), result
+        out.append(result)
+    return out
+
+
+# ---------------------------------------------------------------------------------------------
+# compatibility
+
+
+@pytest.mark.parametrize(
+    ("p_model", "d_model", "model", "expected"),
+    [
+        ("a", "a", "a", True),
+        ("a", "a", "b", False),
+        ("a", "b", "a", False),
+        ("a", "b", "b", False),
+        (None, "a", "a", True),
+        ("a", None, "a", True),
+        (None, None, "anything", True),
+        (None, "a", "b", False),
+        ("a", None, "b", False),
+    ],
+)
+def test_compatible(p_model: str | None, d_model: str | None, model: str, expected: bool) -> None:
+    assert compatible(p(1, p_model), d(1, d_model), model) is expected
+
+
+def test_models_agree() -> None:
+    assert models_agree(p(1, "a"), d(1, "a"))
+    assert not models_agree(p(1, "a"), d(1, "b"))
+    assert models_agree(p(1, None), d(1, "b"))
+    assert models_agree(p(1, "a"), d(1, None))
+
+
+# ---------------------------------------------------------------------------------------------
+# round robin
+
+
+def test_round_robin_policy() -> None:
+    policy: Policy = RoundRobin()
+    candidates = (p(1), p(2), p(3))
+    assert policy.name == "round_robin"
+    assert [policy.choose(candidates, t) for t in range(7)] == [
+        p(1),
+        p(2),
+        p(3),
+        p(1),
+        p(2),
+        p(3),
+        p(1),
+    ]
+
+
+def test_round_robin_2p_2d_splits_100_plans_evenly() -> None:
+    prefills, decodes = (p(1), p(2)), (d(1), d(2))
+    result = pairs(planner(), snap(prefills, decodes), "m", 100)
+    assert Counter(r.prefill for r in result) == {p(1): 50, p(2): 50}
+    assert Counter(r.decode for r in result) == {d(1): 50, d(2): 50}
+    assert [(r.prefill, r.decode) for r in result[:4]] == [
+        (p(1), d(1)),
+        (p(2), d(2)),
+        (p(1), d(1)),
+        (p(2), d(2)),
+    ]
+
+
+def test_prefill_and_decode_tickets_are_independent() -> None:
+    # 2 prefills and 3 decodes: the two cursors turn at their own pace, so six plans visit all
+    # six combinations and every plan after that repeats them.
+    result = pairs(planner(), snap((p(1), p(2)), (d(1), d(2), d(3))), "m", 12)
+    combos = [(r.prefill.name, r.decode.name) for r in result]
+    assert len(set(combos[:6])) == 6
+    assert combos[6:] == combos[:6]
+    assert [r.prefill for r in result[:3]] == [p(1), p(2), p(1)]
+    assert [r.decode for r in result[:4]] == [d(1), d(2), d(3), d(1)]
+
+
+def test_tickets_are_per_role_not_per_model() -> None:
+    snapshot = snap((p(1, "a"), p(2, None)), (d(1, "a"), d(2, None)))
+    pl = planner()
+    first = pl.plan(snapshot, "a")
+    second = pl.plan(snapshot, "zzz")  # only the model-less pair serves it
+    third = pl.plan(snapshot, "a")
+    assert isinstance(first, Pair) and isinstance(second, Pair) and isinstance(third, Pair)
+    assert (first.prefill, first.decode) == (p(1, "a"), d(1, "a"))
+    assert (second.prefill, second.decode) == (p(2, None), d(2, None))
+    assert (third.prefill, third.decode) == (p(1, "a"), d(1, "a"))  # tickets 2 % 2 == 0
+
+
+def test_no_pair_does_not_advance_tickets() -> None:
+    snapshot = snap((p(1), p(2)), (d(1), d(2)))
+    pl = planner()
+    assert isinstance(pl.plan(snapshot, "unknown"), NoPair)
+    result = pairs(pl, snapshot, "m", 2)
+    assert [(r.prefill, r.decode) for r in result] == [(p(1), d(1)), (p(2), d(2))]
+
+
+class _Recording:
+    name = "recording"
+
+    def __init__(self) -> None:
+        self.tickets: list[int] = []
+
+    def choose(self, candidates: object, ticket: int) -> Instance:
+        self.tickets.append(ticket)
+        assert isinstance(candidates, tuple)
+        chosen: Instance = candidates[0]
+        return chosen
+
+
+def test_policies_receive_consecutive_tickets_per_role() -> None:
+    prefill_policy, decode_policy = _Recording(), _Recording()
+    pl = Planner(prefill_policy, decode_policy)
+    snapshot = snap((p(1),), (d(1),))
+    for _ in range(5):
+        pl.plan(snapshot, "m")
+    assert prefill_policy.tickets == [0, 1, 2, 3, 4]
+    assert decode_policy.tickets == [0, 1, 2, 3, 4]
+
+
+# ---------------------------------------------------------------------------------------------
+# model filtering
+
+
+def test_model_filtering() -> None:
+    snapshot = snap((p(1, "a"), p(2, "b"), p(3, "a")), (d(1, "b"), d(2, "a"), d(3, "a")))
+    pl = planner()
+    for model, prefills, decodes in (
+        ("a", {p(1, "a"), p(3, "a")}, {d(2, "a"), d(3, "a")}),
+        ("b", {p(2, "b")}, {d(1, "b")}),
+    ):
+        result = pairs(pl, snapshot, model, 40)
+        assert {r.prefill for r in result} == prefills
+        assert {r.decode for r in result} == decodes
+        assert all(r.prefill.model == r.decode.model == model for r in result)
+
+
+def test_model_less_instances_serve_any_model_and_pair_with_anything() -> None:
+    snapshot = snap((p(1, None), p(2, "a")), (d(1, None), d(2, "a")))
+    pl = planner()
+    result = pairs(pl, snapshot, "a", 40)
+    assert {r.prefill for r in result} == set(snapshot.prefills)
+    assert {r.decode for r in result} == set(snapshot.decodes)
+    view = pl.index(snapshot).view("a")
+    assert set(view.prefills) == set(snapshot.prefills)
+    for prefill in snapshot.prefills:  # every prefill may pair with every decode
+        assert set(view.decodes_for(prefill)) == set(snapshot.decodes)
+    other = pairs(pl, snapshot, "other", 10)
+    assert {(r.prefill, r.decode) for r in other} == {(p(1, None), d(1, None))}
+
+
+def test_v0_prefill_pairs_with_v1_decode() -> None:
+    snapshot = snap((p(1, None),), (d(1, "a"),))
+    result = planner().plan(snapshot, "a")
+    assert result == Pair(p(1, None), d(1, "a"))
+    assert planner().plan(snapshot, "b") == NoPair("no decode instance serves model 'b'")
+
+
+def test_v1_prefill_pairs_with_v0_decode() -> None:
+    snapshot = snap((p(1, "a"),), (d(1, None),))
+    assert planner().plan(snapshot, "a") == Pair(p(1, "a"), d(1, None))
+    assert planner().plan(snapshot, "b") == NoPair("no prefill instance serves model 'b'")
+
+
+def test_static_model_less_instance_serves_any_model() -> None:
+    snapshot = snap((p(1, None, Source.STATIC),), (d(1, None, Source.STATIC),))
+    result = planner().plan(snapshot, "whatever")
+    assert result == Pair(p(1, None, Source.STATIC), d(1, None, Source.STATIC))
+
+
+@settings(PROFILE, max_examples=200)
+@given(
+    p_models=st.lists(st.sampled_from([None, "a", "b", "c"]), min_size=0, max_size=5),
+    d_models=st.lists(st.sampled_from([None, "a", "b", "c"]), min_size=0, max_size=5),
+    model=st.sampled_from(["a", "b", "c", "zzz"]),
+)
+def test_plans_are_always_compatible_and_complete(
+    p_models: list[str | None], d_models: list[str | None], model: str
+) -> None:
+    prefills = tuple(p(i, m) for i, m in enumerate(p_models))
+    decodes = tuple(d(i, m) for i, m in enumerate(d_models))
+    snapshot = snap(prefills, decodes)
+    possible = {(x, y) for x in prefills for y in decodes if compatible(x, y, model)}
+    pl = planner()
+    seen = set()
+    for _ in range(max(1, 2 * len(prefills) * len(decodes))):
+        result = pl.plan(snapshot, model)
+        if not possible:
+            assert isinstance(result, NoPair)
+            assert repr(model) in result.reason
+            return
+        assert isinstance(result, Pair)
+        assert (result.prefill, result.decode) in possible
+        seen.add(result.prefill)
+    assert seen == {x for x, _ in possible}
+
+
+# ---------------------------------------------------------------------------------------------
+# NoPair reasons
+
+
+@pytest.mark.parametrize(
+    ("prefills", "decodes", "reason"),
+    [
+        ((), (), "no prefill and no decode instance serves model 'm'"),
+        ((p(1),), (), "no decode instance serves model 'm'"),
+        ((), (d(1),), "no prefill instance serves model 'm'"),
+        ((p(1, "other"),), (d(1),), "no prefill instance serves model 'm'"),
+        ((p(1),), (d(1, "other"),), "no decode instance serves model 'm'"),
+        ((p(1, "x"),), (d(1, "y"),), "no prefill and no decode instance serves model 'm'"),
+    ],
+)
+def test_no_pair_reasons(
+    prefills: tuple[Instance, ...], decodes: tuple[Instance, ...], reason: str
+) -> None:
+    assert planner().plan(snap(prefills, decodes), "m") == NoPair(reason)
+
+
+def test_no_pair_reason_names_the_requested_model_every_time() -> None:
+    # The memo shares one view between all unannounced model names; the reason must still name
+    # the model this request asked for (and never another client's model name).
+    snapshot = snap((p(1, "a"),), (d(1, "a"),))
+    pl = planner()
+    assert pl.plan(snapshot, "x") == NoPair("no prefill and no decode instance serves model 'x'")
+    assert pl.plan(snapshot, "y") == NoPair("no prefill and no decode instance serves model 'y'")
+
+
+def test_no_pair_reason_names_the_requested_model_missing_decode() -> None:
+    snapshot = snap((p(1, None),), (d(1, "a"),))
+    pl = planner()
+    assert pl.plan(snapshot, "x") == NoPair("no decode instance serves model 'x'")
+    assert pl.plan(snapshot, "secret-model") == NoPair(
+        "no decode instance serves model 'secret-model'"
+    )
+
+
+# ---------------------------------------------------------------------------------------------
+# FleetIndex memo and invalidation
+
+
+def test_index_memo_is_bounded_by_announced_models() -> None:
+    snapshot = snap((p(1, "a"), p(2, None)), (d(1, "a"), d(2, None)))
+    index = FleetIndex(snapshot)
+    rng = random.Random(1234)
+    for _ in range(10_000):
+        name = "".join(rng.choices(string.ascii_letters + string.digits + "/-_.", k=12))
+        index.view("u-" + name)
+    assert len(index._views) <= 2
+    index.view("a")
+    assert len(index._views) == 2
+
+
+def test_index_views_for_unknown_models_serve_model_less_instances() -> None:
+    snapshot = snap((p(1, "a"), p(2, None)), (d(1, "a"), d(2, None)))
+    index = FleetIndex(snapshot)
+    view = index.view("unknown")
+    assert view.prefills == (p(2, None),)
+    assert view.decodes_for(p(2, None)) == (d(2, None),)
+    view_a = index.view("a")
+    assert set(view_a.prefills) == {p(1, "a"), p(2, None)}
+    assert set(view_a.decodes_for(p(1, "a"))) == {d(1, "a"), d(2, None)}
+    assert index.view("a") is view_a
+
+
+def test_planner_reuses_the_index_for_the_same_snapshot() -> None:
+    snapshot = snap((p(1),), (d(1),))
+    pl = planner()
+    index = pl.index(snapshot)
+    assert pl.index(snapshot) is index
+    assert index.snapshot is snapshot
+
+
+def test_a_new_snapshot_object_invalidates_the_index() -> None:
+    pl = planner()
+    old = snap((p(1),), (d(1),), version=1)
+    old_index = pl.index(old)
+    assert pl.plan(old, "m") == Pair(p(1), d(1))
+    new = snap((p(2),), (d(2),), version=2)
+    assert pl.plan(new, "m") == Pair(p(2), d(2))
+    assert pl.index(new) is not old_index
+    assert pl.index(new).snapshot is new
+    # Identity, not equality: an equal but distinct snapshot also gets a fresh index.
+    twin = snap((p(2),), (d(2),), version=2)
+    assert pl.index(twin) is not pl.index(new)
+
+
+def test_emptied_fleet_yields_no_pair() -> None:
+    pl = planner()
+    assert isinstance(pl.plan(snap((p(1),), (d(1),)), "m"), Pair)
+    assert pl.plan(snap((), ()), "m") == NoPair(
+        "no prefill and no decode instance serves model 'm'"
+    )
+
+
+# ---------------------------------------------------------------------------------------------
+# readiness
+
+
+@pytest.mark.parametrize(
+    ("prefills", "decodes", "expected"),
+    [
+        ((), (), Readiness(False, "no prefill instance is registered")),
+        ((p(1),), (), Readiness(False, "no decode instance is registered")),
+        ((), (d(1),), Readiness(False, "no prefill instance is registered")),
+        (
+            (p(1, "A"),),
+            (d(1, "B"),),
+            Readiness(
+                False,
+                "no prefill has a compatible decode: prefills serve ['A'], decodes serve ['B']",
+            ),
+        ),
+        (
+            (p(1, "A"), p(2, "C")),
+            (d(1, "B"), d(2, "B")),
+            Readiness(
+                False,
+                "no prefill has a compatible decode: prefills serve ['A', 'C'], "
+                "decodes serve ['B']",
+            ),
+        ),
+        ((p(1, None),), (d(1, "A"),), Readiness(True, "ok")),
+        ((p(1, "A"),), (d(1, None),), Readiness(True, "ok")),
+        ((p(1, None),), (d(1, None),), Readiness(True, "ok")),
+        ((p(1, "A"),), (d(1, "A"),), Readiness(True, "ok")),
+        ((p(1, "A"), p(2, "B")), (d(1, "C"), d(2, "B")), Readiness(True, "ok")),
+    ],
+    ids=[
+        "empty",
+        "only P",
+        "only D",
+        "P model A + D model B",
+        "several models, none shared",
+        "v0 P + v1 D",
+        "v1 P + v0 D",
+        "v0 P + v0 D",
+        "same model",
+        "one shared model",
+    ],
+)
+def test_readiness(
+    prefills: tuple[Instance, ...], decodes: tuple[Instance, ...], expected: Readiness
+) -> None:
+    assert readiness(snap(prefills, decodes)) == expected
+
+
+@settings(PROFILE, max_examples=200)
+@given(
+    p_models=st.lists(st.sampled_from([None, "a", "b"]), max_size=4),
+    d_models=st.lists(st.sampled_from([None, "a", "b"]), max_size=4),
+)
+def test_ready_iff_some_model_can_be_planned(
+    p_models: list[str | None], d_models: list[str | None]
+) -> None:
+    snapshot = snap(
+        tuple(p(i, m) for i, m in enumerate(p_models)),
+        tuple(d(i, m) for i, m in enumerate(d_models)),
+    )
+    plannable = any(isinstance(planner().plan(snapshot, m), Pair) for m in ("a", "b", "zzz"))
+    assert readiness(snapshot).ready is plannable

@@ -1,0 +1,464 @@
+"""pdproxy.registry.table: membership, TTL, static instances, capacity. The clock is `now`."""
+
+from __future__ import annotations
+
+import math
+
+import pytest
+
+from pdproxy.ids import Address
+from pdproxy.registry.messages import (
+    Announcement,
+    Connector,
+    Geometry,
+    Load,
+    Reason,
+    Rejected,
+    Role,
+)
+from pdproxy.registry.table import (
+    Change,
+    Entry,
+    Instance,
+    RegistryTable,
+    Snapshot,
+    Source,
+    instance_from,
+)
+
+TTL = 10.0
+
+
+def http(n: int) -> Address:
+    return Address(f"10.0.0.{n}", 8100)
+
+
+def zmq(n: int) -> Address:
+    return Address(f"10.0.0.{n}", 21001)
+
+
+def v1(
+    n: int,
+    role: Role = Role.PREFILL,
+    *,
+    model: str | None = "m",
+    load: Load | None = None,
+    zmq_address: Address | None = None,
+) -> Announcement:
+    return Announcement(
+        version=1,
+        role=role,
+        http_address=http(n),
+        zmq_address=zmq(n) if zmq_address is None else zmq_address,
+        model=model,
+        load=load,
+    )
+
+
+def v0(n: int, role: Role = Role.PREFILL) -> Announcement:
+    return Announcement(0, role, http(n), zmq(n))
+
+
+def static(n: int, role: Role = Role.PREFILL, model: str | None = None) -> Instance:
+    return Instance(role, http(n), zmq(n), Source.STATIC, model=model)
+
+
+def table(max_instances: int = 100) -> RegistryTable:
+    return RegistryTable(ttl=TTL, max_instances=max_instances)
+
+
+def entry(t: RegistryTable, address: Address) -> Entry:
+    (found,) = [e for e in t.entries() if e.instance.http_address == address]
+    return found
+
+
+# ---------------------------------------------------------------------------------------------
+# construction
+
+
+def test_empty_table() -> None:
+    t = table()
+    assert len(t) == 0
+    assert t.ttl == TTL
+    assert t.entries() == []
+    assert t.snapshot() == Snapshot(0, (), ())
+    assert t.snapshot() is t.snapshot()
+
+
+@pytest.mark.parametrize("ttl", [0.0, -1.0])
+def test_ttl_must_be_positive(ttl: float) -> None:
+    with pytest.raises(ValueError, match="ttl"):
+        RegistryTable(ttl=ttl, max_instances=1)
+
+
+@pytest.mark.parametrize("max_instances", [0, -1])
+def test_max_instances_at_least_one(max_instances: int) -> None:
+    with pytest.raises(ValueError, match="max_instances"):
+        RegistryTable(ttl=1.0, max_instances=max_instances)
+
+
+# ---------------------------------------------------------------------------------------------
+# instances from announcements
+
+
+def test_instance_from_v1() -> None:
+    geometry = Geometry(tp_size=2)
+    load = Load(running=1, waiting=2, kv_usage=0.5)
+    announcement = Announcement(
+        1, Role.DECODE, http(2), zmq(2), "m", Connector.NIXL, geometry, load
+    )
+    assert instance_from(announcement) == Instance(
+        Role.DECODE, http(2), zmq(2), Source.V1, "m", Connector.NIXL, geometry, load
+    )
+
+
+def test_instance_from_v0() -> None:
+    assert instance_from(v0(1)) == Instance(Role.PREFILL, http(1), zmq(1), Source.V0)
+
+
+def test_instance_name() -> None:
+    instance = Instance(Role.PREFILL, Address("p-0.svc", 8100), zmq(1), Source.V1)
+    assert instance.name == "p-0.svc:8100"
+
+
+def test_serves() -> None:
+    assert Instance(Role.PREFILL, http(1), zmq(1), Source.V1, model="a").serves("a")
+    assert not Instance(Role.PREFILL, http(1), zmq(1), Source.V1, model="a").serves("b")
+    assert Instance(Role.PREFILL, http(1), zmq(1), Source.V0).serves("anything")
+
+
+# ---------------------------------------------------------------------------------------------
+# register, refresh, update
+
+
+def test_register() -> None:
+    t = table()
+    change, instance = t.announce(v1(1), now=100.0)
+    assert change is Change.REGISTERED
+    assert instance == Instance(Role.PREFILL, http(1), zmq(1), Source.V1, model="m")
+    assert len(t) == 1
+    assert t.entries() == [Entry(instance, first_seen=100.0, last_seen=100.0)]
+    snapshot = t.snapshot()
+    assert snapshot == Snapshot(1, (instance,), ())
+
+
+def test_refresh_only_moves_last_seen_and_keeps_the_snapshot_object() -> None:
+    t = table()
+    _, registered = t.announce(v1(1), now=100.0)
+    before = t.snapshot()
+    change, instance = t.announce(v1(1), now=103.0)
+    assert change is Change.REFRESHED
+    assert instance is registered
+    assert t.entries() == [Entry(registered, first_seen=100.0, last_seen=103.0)]
+    assert t.snapshot() is before
+    assert t.snapshot().version == 1
+
+
+def test_refresh_of_v0() -> None:
+    t = table()
+    t.announce(v0(1), now=1.0)
+    before = t.snapshot()
+    assert t.announce(v0(1), now=2.0)[0] is Change.REFRESHED
+    assert t.snapshot() is before
+
+
+@pytest.mark.parametrize(
+    "changed",
+    [
+        v1(1, load=Load(running=5)),
+        v1(1, model="other"),
+        v1(1, model=None),
+        v1(1, role=Role.DECODE),
+        v1(1, zmq_address=Address("10.0.0.1", 21002)),
+        v0(1),
+    ],
+    ids=["load", "model", "no model", "role", "zmq address", "v1 -> v0"],
+)
+def test_update_yields_a_new_snapshot_version(changed: Announcement) -> None:
+    t = table()
+    t.announce(v1(1), now=100.0)
+    before = t.snapshot()
+    change, instance = t.announce(changed, now=104.0)
+    assert change is Change.UPDATED
+    assert instance == instance_from(changed)
+    assert t.entries() == [Entry(instance, first_seen=100.0, last_seen=104.0)]
+    after = t.snapshot()
+    assert after is not before
+    assert after.version == before.version + 1
+    assert (*after.prefills, *after.decodes) == (instance,)
+
+
+def test_role_change_moves_instance_between_lists() -> None:
+    t = table()
+    t.announce(v1(1), now=0.0)
+    assert len(t.snapshot().prefills) == 1
+    t.announce(v1(1, role=Role.DECODE), now=1.0)
+    assert t.snapshot().prefills == ()
+    assert [i.http_address for i in t.snapshot().decodes] == [http(1)]
+
+
+def test_load_only_update_then_same_load_refreshes() -> None:
+    t = table()
+    t.announce(v1(1, load=Load(running=1)), now=0.0)
+    assert t.announce(v1(1, load=Load(running=2)), now=1.0)[0] is Change.UPDATED
+    version = t.snapshot().version
+    assert t.announce(v1(1, load=Load(running=2)), now=2.0)[0] is Change.REFRESHED
+    assert t.snapshot().version == version
+
+
+def test_snapshot_is_built_lazily_once_per_burst() -> None:
+    t = table()
+    t.announce(v1(1), now=0.0)
+    for i in range(5):
+        t.announce(v1(1, load=Load(running=i + 10)), now=float(i))
+    snapshot = t.snapshot()
+    assert snapshot.version == 6
+    assert snapshot.prefills[0].load == Load(running=14)
+    assert t.snapshot() is snapshot
+
+
+def test_versions_increase_strictly() -> None:
+    t = table()
+    versions = [t.snapshot().version]
+    t.announce(v1(1), 0.0)
+    versions.append(t.snapshot().version)
+    t.announce(v1(2), 0.0)
+    versions.append(t.snapshot().version)
+    t.announce(v1(2, model="x"), 0.0)
+    versions.append(t.snapshot().version)
+    t.remove(http(1))
+    versions.append(t.snapshot().version)
+    t.expire(100.0)
+    versions.append(t.snapshot().version)
+    assert versions == [0, 1, 2, 3, 4, 5]
+
+
+def test_role_split_keeps_registration_order() -> None:
+    t = table()
+    t.announce(v1(1, Role.PREFILL), 0.0)
+    t.announce(v1(2, Role.DECODE), 0.0)
+    t.announce(v0(3, Role.PREFILL), 0.0)
+    t.announce(v0(4, Role.DECODE), 0.0)
+    t.announce(v1(5, Role.DECODE), 0.0)
+    snapshot = t.snapshot()
+    assert [i.http_address for i in snapshot.prefills] == [http(1), http(3)]
+    assert [i.http_address for i in snapshot.decodes] == [http(2), http(4), http(5)]
+    assert all(i.role is Role.PREFILL for i in snapshot.prefills)
+    assert all(i.role is Role.DECODE for i in snapshot.decodes)
+    assert [i.source for i in snapshot.prefills] == [Source.V1, Source.V0]
+
+
+def test_instances_are_keyed_by_http_address() -> None:
+    t = table()
+    t.announce(v1(1, zmq_address=Address("10.9.9.9", 1)), 0.0)
+    t.announce(Announcement(1, Role.PREFILL, Address("10.0.0.1", 8101), zmq(1)), 0.0)
+    assert len(t) == 2
+
+
+# ---------------------------------------------------------------------------------------------
+# expiry
+
+
+def test_expires_only_after_ttl() -> None:
+    t = table()
+    t.announce(v1(1), now=100.0)
+    before = t.snapshot()
+    assert t.expire(100.0 + TTL - 1e-6) == []
+    assert t.expire(math.nextafter(100.0 + TTL, 0.0)) == []
+    assert t.expire(100.0 + TTL) == []  # silent for exactly the TTL: still within it
+    assert t.snapshot() is before
+    assert len(t) == 1
+    expired = t.expire(math.nextafter(100.0 + TTL, math.inf))
+    assert [i.http_address for i in expired] == [http(1)]
+    assert len(t) == 0
+    assert t.snapshot() == Snapshot(before.version + 1, (), ())
+
+
+def test_expiry_counts_from_last_seen_not_first_seen() -> None:
+    t = table()
+    t.announce(v1(1), now=0.0)
+    t.announce(v1(1), now=8.0)  # refresh
+    t.announce(v1(1, load=Load(running=1)), now=16.0)  # update
+    assert t.expire(16.0 + TTL) == []
+    assert len(t.expire(16.0 + TTL + 0.001)) == 1
+
+
+def test_expire_drops_only_the_silent() -> None:
+    t = table()
+    t.announce(v1(1), now=0.0)
+    t.announce(v1(2, Role.DECODE), now=5.0)
+    t.announce(v1(3), now=9.0)
+    expired = t.expire(now=15.5)
+    assert [i.http_address for i in expired] == [http(1), http(2)]
+    assert [e.instance.http_address for e in t.entries()] == [http(3)]
+    assert t.snapshot().decodes == ()
+
+
+def test_expired_instance_registers_again() -> None:
+    t = table()
+    t.announce(v1(1), now=0.0)
+    t.expire(now=100.0)
+    change, _ = t.announce(v1(1), now=100.0)
+    assert change is Change.REGISTERED
+    assert t.entries()[0].first_seen == 100.0
+
+
+# ---------------------------------------------------------------------------------------------
+# leave
+
+
+def test_leave_removes_at_once() -> None:
+    t = table()
+    _, instance = t.announce(v1(1), now=0.0)
+    t.announce(v1(2, Role.DECODE), now=0.0)
+    before = t.snapshot()
+    assert t.remove(http(1)) == instance
+    assert len(t) == 1
+    after = t.snapshot()
+    assert after.version == before.version + 1
+    assert after.prefills == ()
+    assert len(after.decodes) == 1
+
+
+def test_remove_unknown_changes_nothing() -> None:
+    t = table()
+    t.announce(v1(1), now=0.0)
+    before = t.snapshot()
+    assert t.remove(http(9)) is None
+    assert t.snapshot() is before
+
+
+# ---------------------------------------------------------------------------------------------
+# static instances
+
+
+def test_static_never_expires_and_is_not_removed() -> None:
+    t = table()
+    t.add_static(static(1), now=0.0)
+    before = t.snapshot()
+    assert t.expire(now=1e12) == []
+    assert t.remove(http(1)) is None
+    assert len(t) == 1
+    assert t.snapshot() is before
+    assert before.prefills == (static(1),)
+
+
+def test_add_static_forces_static_source() -> None:
+    t = table()
+    t.add_static(Instance(Role.DECODE, http(1), zmq(1), Source.V1, model="m"), now=0.0)
+    assert t.snapshot().decodes == (static(1, Role.DECODE, model="m"),)
+    assert t.snapshot().decodes[0].source is Source.STATIC
+
+
+def test_add_static_over_a_dynamic_instance() -> None:
+    t = table()
+    t.announce(v1(1), now=0.0)
+    t.add_static(static(1), now=1.0)
+    assert len(t) == 1
+    assert t.expire(now=1e9) == []
+    assert t.snapshot().prefills == (static(1),)
+
+
+@pytest.mark.parametrize(
+    "conflicting",
+    [
+        v1(1, Role.DECODE, model=None),
+        v0(1, Role.DECODE),
+        v1(1, model=None, zmq_address=Address("10.0.0.1", 21009)),
+        v1(1, model=None, zmq_address=Address("10.0.0.99", 21001)),
+    ],
+    ids=["v1 other role", "v0 other role", "other zmq port", "other zmq host"],
+)
+def test_static_rejects_a_conflicting_announcement(conflicting: Announcement) -> None:
+    t = table()
+    t.add_static(static(1), now=0.0)
+    before = t.snapshot()
+    with pytest.raises(Rejected) as info:
+        t.announce(conflicting, now=1.0)
+    assert info.value.reason is Reason.STATIC_CONFLICT
+    assert t.snapshot() is before
+    assert t.entries() == [Entry(static(1), 0.0, 0.0)]
+
+
+def test_static_accepts_a_matching_v0_announcement() -> None:
+    t = table()
+    t.add_static(static(1), now=0.0)
+    before = t.snapshot()
+    change, instance = t.announce(v0(1), now=5.0)
+    assert change is Change.REFRESHED
+    assert instance == static(1)
+    assert t.entries() == [Entry(static(1), 0.0, 5.0)]
+    assert t.snapshot() is before
+
+
+def test_static_accepts_a_matching_v1_announcement_and_stays_static() -> None:
+    t = table()
+    t.add_static(static(1, model="m"), now=0.0)
+    change, instance = t.announce(v1(1, model="m", load=Load(kv_usage=0.5)), now=5.0)
+    assert change is Change.UPDATED
+    assert instance.source is Source.STATIC
+    assert instance.load == Load(kv_usage=0.5)
+    assert t.expire(now=1e9) == []
+    assert t.remove(http(1)) is None
+    assert t.snapshot().prefills == (instance,)
+
+
+def test_static_model_cannot_be_renamed_by_an_announcement() -> None:
+    t = table()
+    t.add_static(static(1, model="m"), now=0.0)
+    with pytest.raises(Rejected) as info:
+        t.announce(v1(1, model="other"), now=1.0)
+    assert info.value.reason is Reason.STATIC_CONFLICT
+    assert "model m" in info.value.detail
+    assert t.snapshot().prefills == (static(1, model="m"),)
+
+
+def test_static_without_model_learns_the_announced_one() -> None:
+    t = table()
+    t.add_static(static(1), now=0.0)
+    _, instance = t.announce(v1(1, model="learned"), now=1.0)
+    assert instance == static(1, model="learned")
+    # A later announcement without a model keeps what the instance is.
+    _, instance = t.announce(v0(1), now=2.0)
+    assert instance.source is Source.STATIC
+
+
+# ---------------------------------------------------------------------------------------------
+# capacity
+
+
+def test_capacity_rejects_new_but_refreshes_and_updates_existing() -> None:
+    t = table(max_instances=2)
+    t.announce(v1(1), now=0.0)
+    t.announce(v1(2), now=0.0)
+    before = t.snapshot()
+    with pytest.raises(Rejected) as info:
+        t.announce(v1(3), now=1.0)
+    assert info.value.reason is Reason.CAPACITY
+    assert len(t) == 2
+    assert t.snapshot() is before
+    assert t.announce(v1(1), now=2.0)[0] is Change.REFRESHED
+    assert t.announce(v1(2, load=Load(running=1)), now=2.0)[0] is Change.UPDATED
+    assert entry(t, http(1)).last_seen == 2.0
+
+
+def test_capacity_frees_after_leave_and_expiry() -> None:
+    t = table(max_instances=1)
+    t.announce(v1(1), now=0.0)
+    t.remove(http(1))
+    t.announce(v1(2), now=0.0)
+    t.expire(now=100.0)
+    assert t.announce(v1(3), now=100.0)[0] is Change.REGISTERED
+
+
+def test_capacity_applies_to_static() -> None:
+    t = table(max_instances=1)
+    t.add_static(static(1), now=0.0)
+    with pytest.raises(Rejected) as info:
+        t.add_static(static(2), now=0.0)
+    assert info.value.reason is Reason.CAPACITY
+    t.add_static(static(1, model="m"), now=0.0)  # replacing an existing one fits
+    assert t.snapshot().prefills == (static(1, model="m"),)
+    with pytest.raises(Rejected) as info:
+        t.announce(v1(2), now=0.0)
+    assert info.value.reason is Reason.CAPACITY
