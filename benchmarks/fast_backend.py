@@ -1,6 +1,6 @@
 """A very fast fake OpenAI backend for benchmarking pdproxy.
 
-A raw asyncio ``Protocol`` HTTP/1.1 server (uvloop when available, ``httptools`` request
+A raw asyncio ``Protocol`` HTTP/1.1 server (uvloop, ``httptools`` request
 parser) that answers, with keep-alive:
 
 * ``POST /v1/completions`` and ``POST /v1/chat/completions``: a small fixed OpenAI-shaped JSON
@@ -34,13 +34,7 @@ import time
 from typing import Any, cast
 
 import httptools
-
-try:
-    import uvloop
-
-    HAVE_UVLOOP = True
-except ImportError:  # pragma: no cover - uvloop is a project dependency on Linux
-    HAVE_UVLOOP = False
+import uvloop
 
 try:
     import orjson
@@ -367,13 +361,6 @@ async def _serve(host: str, port: int, stream_chunked: bool) -> None:
             await asyncio.wait_for(server.wait_closed(), timeout=1.0)
 
 
-def run_event_loop(main: Any) -> Any:
-    """Run a coroutine on uvloop when it is installed, else on the default asyncio loop."""
-    if not HAVE_UVLOOP:
-        return asyncio.run(main)
-    return uvloop.run(main)
-
-
 def main(argv: list[str] | None = None) -> int:
     parser = argparse.ArgumentParser(description="Very fast fake OpenAI backend (benchmarks).")
     parser.add_argument("--host", default="127.0.0.1", help="bind address (default 127.0.0.1)")
@@ -384,7 +371,7 @@ def main(argv: list[str] | None = None) -> int:
         help="frame stream=true answers with chunked transfer-encoding instead of Content-Length",
     )
     args = parser.parse_args(argv)
-    run_event_loop(_serve(args.host, args.port, args.stream_chunked))
+    uvloop.run(_serve(args.host, args.port, args.stream_chunked))
     return 0
 
 

@@ -1,4 +1,4 @@
-"""Closed-loop HTTP/1.1 load generator on raw asyncio protocols (uvloop when available).
+"""Closed-loop HTTP/1.1 load generator on raw asyncio protocols (uvloop).
 
 ``concurrency`` keep-alive connections each send the same POST request, wait for the whole
 response (parsed with ``httptools``: Content-Length, chunked and read-until-close framing), and
@@ -34,13 +34,7 @@ from dataclasses import asdict, dataclass, field
 from typing import Any, cast
 
 import httptools
-
-try:
-    import uvloop
-
-    HAVE_UVLOOP = True
-except ImportError:  # pragma: no cover - uvloop is a project dependency on Linux
-    HAVE_UVLOOP = False
+import uvloop
 
 DEFAULT_PATH = "/v1/completions"
 DEFAULT_BODY = b'{"model": "bench", "prompt": "hello world", "max_tokens": 16}'
@@ -397,13 +391,6 @@ async def run_load(
     )
 
 
-def run_event_loop(main: Any) -> Any:
-    """Run a coroutine on uvloop when it is installed, else on the default asyncio loop."""
-    if not HAVE_UVLOOP:
-        return asyncio.run(main)
-    return uvloop.run(main)
-
-
 def main(argv: list[str] | None = None) -> int:
     parser = argparse.ArgumentParser(description="Closed-loop HTTP/1.1 POST load generator.")
     parser.add_argument("--host", default="127.0.0.1")
@@ -431,7 +418,7 @@ def main(argv: list[str] | None = None) -> int:
             parser.error(f"--header {item!r} is not NAME:VALUE")
         headers[name.strip()] = value.strip()
 
-    result: LoadResult = run_event_loop(
+    result: LoadResult = uvloop.run(
         run_load(
             args.host,
             args.port,

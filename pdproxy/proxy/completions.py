@@ -73,8 +73,18 @@ class CompletionsEndpoint:
         finally:
             exchange.stop_watching()
             status = CLIENT_CLOSED if exchange.client_gone else exchange.status
+            elapsed = time.perf_counter() - started
             self._requests.labels(self._path, _STATUS_TEXT.get(status) or str(status)).inc()
-            self._duration.observe(time.perf_counter() - started)
+            self._duration.observe(elapsed)
+            if log.isEnabledFor(logging.DEBUG):
+                log.debug(
+                    "%s %d in %.1f ms (client id %r, request id %s)",
+                    self._path,
+                    status,
+                    elapsed * 1000,
+                    client_id.decode("latin-1") if client_id else None,
+                    exchange.request_id or "-",
+                )
 
     @staticmethod
     def _log_failure(exc: ProxyError, client_id: bytes | None, request_id: str) -> None:
