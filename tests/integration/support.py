@@ -49,6 +49,12 @@ def post_json(url: str, payload: Any, headers: dict[str, str] | None = None) -> 
     return request(url, body=json.dumps(payload).encode(), headers=headers)
 
 
+def set_behaviour(worker_url: str, **behaviour: Any) -> None:
+    """Make a fake worker answer every later completion with this status/delay (none: normal)."""
+    answer = request(worker_url + "/_fake/behaviour", body=json.dumps(behaviour).encode())
+    assert answer.status == 200, answer.body
+
+
 def metric_value(proxy_url: str, name: str, labels: dict[str, str] | None = None) -> float:
     """The value of one sample in /metrics, 0.0 when the sample is absent."""
     status, body = http_get(proxy_url + "/metrics", timeout=5)

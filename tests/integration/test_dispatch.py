@@ -9,17 +9,20 @@ from collections import Counter
 from collections.abc import Iterator
 from typing import Any
 
+import aiohttp
 import openai
 import pytest
 
 from pdproxy.ids import VLLM_DECODE_SIDE, VLLM_PREFILL_SIDE, parse_request_id
 from pdproxy.testing.fleet import LocalFleet, WorkerSpec
+from pdproxy.testing.processes import wait_until
 from tests.conftest import FleetFactory
 from tests.integration.support import (
     metric_value,
     open_raw_request,
     post_json,
     read_until,
+    set_behaviour,
 )
 
 MODEL = "fake-model"
@@ -292,3 +295,76 @@ def test_client_disconnect_during_prefill_cancels_it(fleet_factory: FleetFactory
         == 1
     )
     assert metric_value(fleet.proxy_url, "pdproxy_inflight_requests", {"role": "prefill"}) == 0
+
+
+def test_stream_is_relayed_while_it_is_generated(fleet_factory: FleetFactory) -> None:
+    fleet = fleet_factory([WorkerSpec("P"), WorkerSpec("D", token_latency_ms=100)])
+    decode = fleet.role("D")[0]
+    sock = open_raw_request(
+        fleet.proxy_url + "/v1/completions",
+        {"model": MODEL, "prompt": "flush early", "max_tokens": 30, "stream": True},
+    )
+    try:
+        read_until(sock, b"data: {", timeout=10)
+        # The first chunk reached the client while D still had ~3 s of tokens to produce.
+        assert decode.events()["completed"] == []
+        rest = read_until(sock, b"data: [DONE]", timeout=20)
+    finally:
+        sock.close()
+    assert rest.count(b"data: {") >= 29
+    assert len(decode.events()["completed"]) == 1
+
+
+def test_mixed_outcomes_leave_nothing_in_flight(fleet_factory: FleetFactory) -> None:
+    fleet = fleet_factory(
+        [WorkerSpec("P"), WorkerSpec("P"), WorkerSpec("D", token_latency_ms=5)],
+    )
+    failing = fleet.role("P")[1]
+    set_behaviour(failing.url, status=500)
+    url = fleet.proxy_url + "/v1/completions"
+    outcomes: Counter[str] = Counter()
+
+    async def one(session: aiohttp.ClientSession, i: int) -> None:
+        kind = i % 5
+        body: Any = {"model": MODEL, "prompt": f"mix {i}", "max_tokens": 8}
+        if kind == 1:
+            body["stream"] = True
+        if kind == 2:
+            body.update(stream=True, max_tokens=200)
+        if kind == 3:
+            body["model"] = "nobody-serves-this"
+        data = b"{not json" if kind == 4 else json.dumps(body).encode()
+        async with session.post(url, data=data) as response:
+            if kind == 2 and response.status == 200:
+                await response.content.readany()
+                response.close()  # hang up mid-stream
+                outcomes["hung_up"] += 1
+                return
+            await response.read()
+            outcomes[str(response.status)] += 1
+
+    async def run() -> None:
+        limit = asyncio.Semaphore(32)
+        async with aiohttp.ClientSession() as session:
+
+            async def bounded(i: int) -> None:
+                async with limit:
+                    await one(session, i)
+
+            await asyncio.wait_for(asyncio.gather(*(bounded(i) for i in range(500))), 120)
+
+    asyncio.run(run())
+    assert sum(outcomes.values()) == 500
+    assert outcomes["400"] == 100 and outcomes["503"] == 100
+    assert outcomes["502"] > 0 and outcomes["200"] > 0 and outcomes["hung_up"] > 0
+
+    def settled() -> bool:
+        counted = metric_value(fleet.proxy_url, "pdproxy_requests_total")
+        inflight = metric_value(fleet.proxy_url, "pdproxy_inflight_requests")
+        return counted >= 500 and inflight == 0
+
+    wait_until(settled, 10, "every request counted and nothing in flight")
+    for worker in fleet.workers:
+        role = "prefill" if worker.spec.role == "P" else "decode"
+        labels = {"role": role, "instance": worker.http_address}
+        assert metric_value(fleet.proxy_url, "pdproxy_inflight_requests", labels) == 0

@@ -2,10 +2,8 @@
 
 from __future__ import annotations
 
-import json
 import signal
 import time
-import urllib.request
 from collections.abc import Iterator
 from typing import Any
 
@@ -14,6 +12,7 @@ import pytest
 from pdproxy.testing.fleet import LocalFleet, Worker, WorkerSpec
 from pdproxy.testing.processes import free_ports
 from tests.conftest import FleetFactory
+from tests.integration import support
 from tests.integration.support import (
     Answer,
     metric_value,
@@ -40,10 +39,7 @@ def assert_openai_error(answer: Answer, status: int, *fragments: str) -> dict[st
 
 
 def set_behaviour(worker: Worker, **behaviour: Any) -> None:
-    data = json.dumps(behaviour).encode()
-    req = urllib.request.Request(worker.url + "/_fake/behaviour", data=data, method="POST")
-    with urllib.request.urlopen(req, timeout=5):
-        pass
+    support.set_behaviour(worker.url, **behaviour)
 
 
 @pytest.fixture(scope="module")
