@@ -113,6 +113,11 @@ class Settings(BaseModel):
         gt=0,
         description="Seconds until the decode leg's first body byte (bounds a KV handoff hang).",
     )
+    decode_timeout: float = Field(
+        600.0,
+        gt=0,
+        description="Seconds a non-streaming decode leg may take (its answer comes whole).",
+    )
     stream_idle_timeout: float = Field(
         120.0, gt=0, description="Seconds allowed between two chunks of the decode stream."
     )
@@ -123,7 +128,7 @@ class Settings(BaseModel):
         2, ge=1, description="Retry-After sent with 503 when no pair can serve a request."
     )
     upstream_max_connections: int = Field(
-        4096, ge=1, description="Cap on pooled connections to all instances together."
+        4096, ge=1, description="Cap on upstream exchanges in flight, all instances together."
     )
     log_level: Literal["debug", "info", "warning", "error"] = Field(
         "info", description="Log level."

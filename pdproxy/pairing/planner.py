@@ -13,6 +13,7 @@ from dataclasses import dataclass
 
 from pdproxy.pairing.compatibility import compatible
 from pdproxy.pairing.policies.base import Policy
+from pdproxy.pairing.policies.round_robin import RoundRobin
 from pdproxy.registry.table import Instance, Snapshot
 
 
@@ -134,6 +135,12 @@ class Planner:
         decode = self._decode_policy.choose(view.decodes_for(prefill), self._decode_ticket)
         self._decode_ticket += 1
         return Pair(prefill, decode)
+
+
+def round_robin_planner() -> Planner:
+    """The reference pairing: round robin per role; the decode cycle rotates so that fleets of
+    equal size do not pair in lockstep (see RoundRobin)."""
+    return Planner(RoundRobin(), RoundRobin(rotate=True))
 
 
 @dataclass(frozen=True, slots=True)

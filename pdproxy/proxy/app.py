@@ -17,8 +17,7 @@ from fastapi import FastAPI
 
 from pdproxy.config import Settings
 from pdproxy.metrics import Metrics
-from pdproxy.pairing.planner import Planner
-from pdproxy.pairing.policies.round_robin import RoundRobin
+from pdproxy.pairing.planner import Planner, round_robin_planner
 from pdproxy.proxy.completions import CompletionsEndpoint
 from pdproxy.proxy.dispatch import Dispatcher
 from pdproxy.proxy.exchange import Scope
@@ -68,8 +67,8 @@ async def build_state(settings: Settings, clock: Callable[[], float]) -> AppStat
     registry.start()
     upstream = Upstream(settings)
     await upstream.start()
-    planner = Planner(RoundRobin(), RoundRobin())
-    dispatcher = Dispatcher(settings, table, planner, upstream, metrics)
+    planner = round_robin_planner()
+    dispatcher = Dispatcher(settings, table, planner, upstream, metrics, clock)
     return AppState(settings, metrics, table, registry, upstream, planner, dispatcher, clock)
 
 

@@ -42,10 +42,10 @@ class CompletionsEndpoint:
         try:
             if scope["method"] != "POST":
                 raise ProxyError(405, f"method {scope['method']} not allowed; use POST")
-            body = await exchange.read_body(self._settings.max_body_bytes, length)
-            request = parse_completion(self._path, body)
-            exchange.watch_disconnect()
             async with asyncio.timeout(self._settings.request_timeout):
+                body = await exchange.read_body(self._settings.max_body_bytes, length)
+                request = parse_completion(self._path, body)
+                exchange.watch_disconnect()
                 await self._dispatcher.serve(request, exchange, authorization)
         except ProxyError as exc:
             self._log_failure(exc, client_id, exchange.request_id)
@@ -61,12 +61,11 @@ class CompletionsEndpoint:
         except ClientGone:
             exchange.client_gone = True
         except asyncio.CancelledError:
-            if not exchange.client_gone:
-                raise
-            # Our own disconnect watch cancelled the legs; the request ends here, quietly.
+            # Our own disconnect watch cancelled the legs: the request ends here, quietly.
+            # Any other cancellation (server shutdown) goes on up.
             task = asyncio.current_task()
-            if task is not None:
-                task.uncancel()
+            if not exchange.client_gone or task is None or task.uncancel() > 0:
+                raise
         except Exception:
             log.exception("unexpected error serving %s (client id %r)", self._path, client_id)
             await exchange.fail(ProxyError(500, "internal error in pdproxy", code="internal"))

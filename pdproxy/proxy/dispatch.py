@@ -38,6 +38,7 @@ class Dispatcher:
         planner: Planner,
         upstream: Upstream,
         metrics: Metrics,
+        clock: Callable[[], float] = time.monotonic,
         new_uid: Callable[[], str] = lambda: os.urandom(16).hex(),
     ) -> None:
         self._settings = settings
@@ -45,13 +46,14 @@ class Dispatcher:
         self._planner = planner
         self._upstream = upstream
         self._metrics = metrics
+        self._clock = clock
         self._new_uid = new_uid
         self._retry_after = ((b"retry-after", str(settings.retry_after_seconds).encode()),)
         key = settings.upstream_api_key
         self._upstream_auth = None if key is None else f"Bearer {key.get_secret_value()}"
 
     def choose(self, model: str) -> Pair:
-        choice = self._planner.plan(self._table.snapshot(), model)
+        choice = self._planner.plan(self._table.snapshot(self._clock()), model)
         if isinstance(choice, NoPair):
             raise ProxyError(503, choice.reason, code="no_instance", headers=self._retry_after)
         return choice
@@ -122,13 +124,15 @@ class Dispatcher:
         settings = self._settings
         loop = asyncio.get_running_loop()
         started = time.perf_counter()
-        # Streams must show a first byte soon (a KV handoff that hangs shows up here); a
-        # non-streaming answer arrives whole at the end, so only the request timeout bounds it.
-        first_byte_limit = settings.decode_first_byte_timeout if request.stream else None
-        waited_for = "first byte"
+        # A stream must show its first byte soon (a KV handoff that hangs shows up here); a
+        # non-streaming answer arrives whole at the end, so it gets the whole-leg bound.
+        if request.stream:
+            waiting, limit = "first byte", settings.decode_first_byte_timeout
+        else:
+            waiting, limit = "answer", settings.decode_timeout
         self._metrics.leg_started(DECODE, instance.name)
         try:
-            async with asyncio.timeout(first_byte_limit) as deadline:
+            async with asyncio.timeout(limit) as deadline:
                 async with self._upstream.stream(
                     "POST", instance.http_address, request.path, request.body, headers
                 ) as stream:
@@ -146,22 +150,25 @@ class Dispatcher:
                     if not request.stream:
                         body = await stream.read_all(settings.max_response_bytes)
                         self._metrics.decode_first_byte.observe(time.perf_counter() - started)
+                        deadline.reschedule(None)
                         await exchange.whole(stream.status, stream.content_type.encode(), body)
                         return
                     chunk = await stream.next_chunk()
                     self._metrics.decode_first_byte.observe(time.perf_counter() - started)
+                    deadline.reschedule(None)
                     await exchange.start_stream(stream.status, stream.content_type.encode())
-                    waited_for = "next chunk"
-                    idle = settings.stream_idle_timeout
+                    waiting, limit = "next chunk", settings.stream_idle_timeout
                     while chunk:
+                        # Only the instance is on the clock: a slow client is not its fault
+                        # (the request timeout bounds the client).
                         await exchange.chunk(chunk)
-                        deadline.reschedule(loop.time() + idle)
+                        deadline.reschedule(loop.time() + limit)
                         chunk = await stream.next_chunk()
+                        deadline.reschedule(None)
                     await exchange.end_stream()
         except TimeoutError:
-            limit = first_byte_limit if waited_for == "first byte" else settings.stream_idle_timeout
             raise self._leg_failed(
-                DECODE, instance, "timeout", f"no {waited_for} within {limit:g}s"
+                DECODE, instance, "timeout", f"no {waiting} within {limit:g}s"
             ) from None
         except UpstreamError as exc:
             raise self._leg_failed(DECODE, instance, exc.kind, exc.detail) from None

@@ -32,6 +32,9 @@ KEEPALIVE_SECONDS = 4.0
 _HIGH_WATER = 1024 * 1024
 _LOW_WATER = 256 * 1024
 _USER_AGENT = f"pdproxy/{__version__}".encode()
+# A pooled connection the instance had already closed fails at once; a failure later than this
+# after sending may mean the instance read the request, so it is not replayed.
+_STALE_WINDOW = 0.25
 
 
 class UpstreamError(Exception):
@@ -60,7 +63,8 @@ class _Connection(asyncio.Protocol):
         self._transport: asyncio.Transport | None = None
         self.closed = False
         self.idle_since = 0.0
-        self.used = False  # has carried an exchange already (a stale keep-alive may fail)
+        self.sent_at = 0.0
+        self._in_exchange = False
         self._reset_exchange()
 
     def _reset_exchange(self) -> None:
@@ -86,6 +90,11 @@ class _Connection(asyncio.Protocol):
         self._transport = cast(asyncio.Transport, transport)
 
     def data_received(self, data: bytes) -> None:
+        if not self._in_exchange:
+            # Bytes nobody asked for (a 408 on an idle connection...): never hand them to the
+            # next request.
+            self.close()
+            return
         self.received_any = True
         try:
             self._parser.feed_data(data)
@@ -95,8 +104,8 @@ class _Connection(asyncio.Protocol):
 
     def connection_lost(self, exc: Exception | None) -> None:
         self.closed = True
-        if self._headers_done and self._until_close and not self._complete:
-            self._complete = True
+        if self._headers_done and self._until_close and not self._complete and exc is None:
+            self._complete = True  # a clean EOF ends a body without length; a reset does not
             self._wake()
         elif not self._complete:
             detail = f"connection lost: {exc}" if exc else "connection closed by the instance"
@@ -135,6 +144,8 @@ class _Connection(asyncio.Protocol):
 
     def send(self, head: bytes, body: bytes | None) -> None:
         assert self._transport is not None
+        self._in_exchange = True
+        self.sent_at = self._loop.time()
         if body:
             self._transport.writelines((head, body))
         else:
@@ -163,12 +174,16 @@ class _Connection(asyncio.Protocol):
         return chunk
 
     @property
+    def usable(self) -> bool:
+        return not self.closed and self._transport is not None and not self._transport.is_closing()
+
+    @property
     def reusable(self) -> bool:
         return self._complete and self._keep_alive and not self.closed and not self._chunks
 
     def recycle(self, now: float) -> None:
-        self.used = True
         self.idle_since = now
+        self._in_exchange = False
         self._reset_exchange()
 
     async def _wait(self) -> None:
@@ -233,7 +248,7 @@ class _Pool:
     def take(self, now: float) -> _Connection | None:
         while self.idle:
             connection = self.idle.pop()
-            if not connection.closed and now - connection.idle_since < KEEPALIVE_SECONDS:
+            if connection.usable and now - connection.idle_since < KEEPALIVE_SECONDS:
                 return connection
             connection.close()
         return None
@@ -241,7 +256,7 @@ class _Pool:
     def prune(self, now: float) -> None:
         fresh = []
         for connection in self.idle:
-            if connection.closed or now - connection.idle_since >= KEEPALIVE_SECONDS:
+            if not connection.usable or now - connection.idle_since >= KEEPALIVE_SECONDS:
                 connection.close()
             else:
                 fresh.append(connection)
@@ -315,19 +330,29 @@ class Upstream:
     async def _exchange(self, address: Address, head: bytes, body: bytes | None) -> _Connection:
         loop = asyncio.get_running_loop()
         pool = self._pools.get(address)
-        connection = None if pool is None else pool.take(loop.time())
-        if connection is not None:
+        pooled = None if pool is None else pool.take(loop.time())
+        stale: UpstreamError | None = None
+        if pooled is not None:
             try:
-                connection.send(head, body)
-                await connection.wait_headers()
-                return connection
-            except BaseException as exc:
-                connection.close()
-                # A pooled connection the instance closed meanwhile fails before any byte of
-                # answer: the request was never seen, so one fresh connection may carry it.
-                if not isinstance(exc, Exception) or connection.received_any:
+                return await self._send(pooled, head, body)
+            except UpstreamError as exc:
+                # A pooled connection the instance closed meanwhile fails at once, before any
+                # byte of answer: the request was never seen, so a fresh connection may carry it.
+                if pooled.received_any or loop.time() - pooled.sent_at > _STALE_WINDOW:
                     raise
+                stale = exc
         connection = await self._connect(address, loop)
+        try:
+            return await self._send(connection, head, body)
+        except UpstreamError as exc:
+            if stale is None:
+                raise
+            raise UpstreamError(
+                exc.kind, f"{exc.detail} (retried after a pooled connection failed: {stale})"
+            ) from None
+
+    @staticmethod
+    async def _send(connection: _Connection, head: bytes, body: bytes | None) -> _Connection:
         try:
             connection.send(head, body)
             await connection.wait_headers()

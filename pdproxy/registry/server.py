@@ -25,16 +25,27 @@ log = logging.getLogger("pdproxy.registry")
 # announcements must not starve request handling (pyzmq returns ready frames without yielding).
 _BATCH = 64
 _MAX_LOGGED_SENDERS = 1024
+_QUEUED_FRAMES_PER_PEER = 256
+# A registry message is [identity, payload]; anything past that is counted, never kept.
+_FRAMES_KEPT = 2
 
 
 class RejectionLog:
-    """Log each (sender, reason) once; remembers a bounded number of senders."""
+    """Log each (sender, reason) once, and at most `burst` lines per `window` seconds overall:
+    a sender that changes identity for every frame must not flood the log either."""
 
-    def __init__(self, capacity: int = _MAX_LOGGED_SENDERS) -> None:
+    def __init__(
+        self, capacity: int = _MAX_LOGGED_SENDERS, burst: int = 20, window: float = 10.0
+    ) -> None:
         self._seen: OrderedDict[tuple[bytes, Reason], None] = OrderedDict()
         self._capacity = capacity
+        self._burst = burst
+        self._window = window
+        self._window_start = float("-inf")
+        self._logged = 0
+        self.suppressed = 0
 
-    def first_time(self, sender: bytes, reason: Reason) -> bool:
+    def should_log(self, sender: bytes, reason: Reason, now: float) -> bool:
         key = (sender[:128], reason)
         if key in self._seen:
             self._seen.move_to_end(key)
@@ -42,6 +53,14 @@ class RejectionLog:
         self._seen[key] = None
         if len(self._seen) > self._capacity:
             self._seen.popitem(last=False)
+        if now - self._window_start >= self._window:
+            if self.suppressed:
+                log.warning("registry: %d more rejections were not logged", self.suppressed)
+            self._window_start, self._logged, self.suppressed = now, 0, 0
+        if self._logged >= self._burst:
+            self.suppressed += 1
+            return False
+        self._logged += 1
         return True
 
 
@@ -72,7 +91,9 @@ class RegistryServer:
         sock = self._context.socket(zmq.ROUTER)
         sock.setsockopt(zmq.LINGER, 0)
         sock.setsockopt(zmq.MAXMSGSIZE, self._settings.registry_max_message_bytes)
-        sock.setsockopt(zmq.RCVHWM, 10_000)
+        # Frames queued per peer before ZMQ drops more: with MAXMSGSIZE this bounds what one
+        # sender can make us hold (256 x 64 KiB by default).
+        sock.setsockopt(zmq.RCVHWM, _QUEUED_FRAMES_PER_PEER)
         try:
             sock.bind(self._settings.registry_bind)
         except zmq.ZMQError as exc:
@@ -105,7 +126,7 @@ class RegistryServer:
     async def _receive_loop(self, sock: zmq.asyncio.Socket) -> None:
         handled = 0
         while True:
-            frames = await sock.recv_multipart(copy=True)
+            frames = await _receive_message(sock)
             try:
                 self.handle(frames)
             except Exception:  # a bug here must not kill the registry
@@ -119,7 +140,7 @@ class RegistryServer:
         sender = frames[0] if frames else b""
         try:
             if len(frames) != 2:
-                raise Rejected(Reason.FRAMING, f"expected 1 payload frame, got {len(frames) - 1}")
+                raise Rejected(Reason.FRAMING, "expected exactly one payload frame")
             message = decode_frame(frames[1])
             now = self._clock()
             if isinstance(message, Announcement):
@@ -132,7 +153,7 @@ class RegistryServer:
                     self._on_departed(gone)
         except Rejected as exc:
             self._metrics.registry_messages.labels("rejected", exc.reason.value).inc()
-            if self._rejections.first_time(sender, exc.reason):
+            if self._rejections.should_log(sender, exc.reason, self._clock()):
                 log.warning("registry: rejected a message from %r: %s", sender[:128], exc)
             return
         self._metrics.registry_messages.labels("accepted", "ok").inc()
@@ -148,7 +169,7 @@ class RegistryServer:
                 f", model {instance.model}" if instance.model else "",
             )
             self._metrics.instance_joined(instance.name)
-        if change is not Change.REFRESHED:
+        if change in (Change.REGISTERED, Change.UPDATED):
             self.publish_counts()
 
     def _on_departed(self, instance: Instance) -> None:
@@ -156,9 +177,8 @@ class RegistryServer:
         self.publish_counts()
 
     def publish_counts(self) -> None:
-        snapshot = self._table.snapshot()
-        self._metrics.registry_instances.labels(Role.PREFILL.value).set(len(snapshot.prefills))
-        self._metrics.registry_instances.labels(Role.DECODE.value).set(len(snapshot.decodes))
+        for role in Role:
+            self._metrics.registry_instances.labels(role.value).set(self._table.count(role))
 
     def sweep(self) -> list[Instance]:
         expired = self._table.expire(self._clock())
@@ -179,6 +199,23 @@ class RegistryServer:
                 self.sweep()
             except Exception:
                 log.exception("registry: sweep failed")
+
+
+async def _receive_message(sock: zmq.asyncio.Socket) -> list[bytes]:
+    """One multipart message, frame by frame: only the first frames are copied out, so a
+    message of thousands of frames costs nothing but a count."""
+    kept: list[bytes] = []
+    extra = 0
+    while True:
+        frame = await sock.recv(copy=False)
+        if len(kept) < _FRAMES_KEPT:
+            kept.append(frame.bytes)
+        else:
+            extra += 1
+        if not frame.more:
+            break
+    # Padding with empty frames keeps the count visible to `handle` without the payloads.
+    return kept + [b""] * min(extra, 1)
 
 
 def _role_name(instance: Instance) -> str:

@@ -51,8 +51,9 @@ class Instance:
 
 class Change(StrEnum):
     REGISTERED = "registered"
-    UPDATED = "updated"
-    REFRESHED = "refreshed"
+    UPDATED = "updated"  # role, addresses, model, connector or geometry changed
+    LOAD = "load"  # only the load report changed
+    REFRESHED = "refreshed"  # nothing changed but last_seen
 
 
 @dataclass(frozen=True, slots=True)
@@ -84,18 +85,29 @@ def instance_from(announcement: Announcement) -> Instance:
     )
 
 
+# Load reports arrive every few seconds from every instance: a routing snapshot may lag them by
+# this much, so that a fleet of thousands costs a few rebuilds a second, not one per report.
+LOAD_REFRESH_SECONDS = 0.5
+
+
 class RegistryTable:
-    def __init__(self, ttl: float, max_instances: int) -> None:
+    def __init__(
+        self, ttl: float, max_instances: int, load_refresh: float = LOAD_REFRESH_SECONDS
+    ) -> None:
         if ttl <= 0:
             raise ValueError("ttl must be positive")
         if max_instances < 1:
             raise ValueError("max_instances must be at least 1")
         self._ttl = ttl
         self._max = max_instances
+        self._load_refresh = load_refresh
         self._entries: dict[Address, Entry] = {}
         self._static: set[Address] = set()
+        self._counts = dict.fromkeys(Role, 0)
         self._version = 0
         self._snapshot: Snapshot | None = Snapshot(0, (), ())
+        self._built_at: float | None = None
+        self._load_stale = False
 
     @property
     def ttl(self) -> float:
@@ -104,13 +116,16 @@ class RegistryTable:
     def __len__(self) -> int:
         return len(self._entries)
 
+    def count(self, role: Role) -> int:
+        return self._counts[role]
+
     def add_static(self, instance: Instance, now: float) -> None:
         if instance.source is not Source.STATIC:
             instance = replace(instance, source=Source.STATIC)
         if instance.http_address not in self._entries and len(self._entries) >= self._max:
             raise Rejected(Reason.CAPACITY, f"registry is full ({self._max} instances)")
         self._static.add(instance.http_address)
-        self._entries[instance.http_address] = Entry(instance, now, now)
+        self._put(Entry(instance, now, now))
         self._changed()
 
     def announce(self, announcement: Announcement, now: float) -> tuple[Change, Instance]:
@@ -121,7 +136,7 @@ class RegistryTable:
         if entry is None:
             if len(self._entries) >= self._max:
                 raise Rejected(Reason.CAPACITY, f"registry is full ({self._max} instances)")
-            self._entries[key] = Entry(incoming, now, now)
+            self._put(Entry(incoming, now, now))
             self._changed()
             return Change.REGISTERED, incoming
         if key in self._static:
@@ -129,7 +144,10 @@ class RegistryTable:
         if incoming == entry.instance:
             self._entries[key] = replace(entry, last_seen=now)
             return Change.REFRESHED, entry.instance
-        self._entries[key] = Entry(incoming, entry.first_seen, now)
+        self._put(Entry(incoming, entry.first_seen, now))
+        if replace(incoming, load=entry.instance.load) == entry.instance:
+            self._load_stale = True
+            return Change.LOAD, incoming
         self._changed()
         return Change.UPDATED, incoming
 
@@ -152,7 +170,7 @@ class RegistryTable:
         """A v1 `leave`. Static instances stay: only the operator removes them."""
         if http_address in self._static:
             return None
-        entry = self._entries.pop(http_address, None)
+        entry = self._pop(http_address)
         if entry is None:
             return None
         self._changed()
@@ -166,7 +184,7 @@ class RegistryTable:
             for key, entry in self._entries.items()
             if entry.last_seen < deadline and key not in self._static
         ]
-        expired = [self._entries.pop(key).instance for key in dead]
+        expired = [entry.instance for key in dead if (entry := self._pop(key)) is not None]
         if expired:
             self._changed()
         return expired
@@ -174,8 +192,16 @@ class RegistryTable:
     def entries(self) -> list[Entry]:
         return list(self._entries.values())
 
-    def snapshot(self) -> Snapshot:
-        # Built lazily: a burst of load updates costs one rebuild at the next request.
+    def snapshot(self, now: float | None = None) -> Snapshot:
+        """The fleet as an immutable value, built lazily.
+
+        Without `now` it is exact. With `now` (the routing path), load-only changes may be
+        reflected up to `load_refresh` seconds late: membership and geometry never lag.
+        """
+        if self._load_stale and (
+            now is None or self._built_at is None or now - self._built_at >= self._load_refresh
+        ):
+            self._changed()
         if self._snapshot is None:
             instances = [entry.instance for entry in self._entries.values()]
             self._snapshot = Snapshot(
@@ -183,8 +209,23 @@ class RegistryTable:
                 prefills=tuple(i for i in instances if i.role is Role.PREFILL),
                 decodes=tuple(i for i in instances if i.role is Role.DECODE),
             )
+            self._built_at = now
         return self._snapshot
+
+    def _put(self, entry: Entry) -> None:
+        old = self._entries.get(entry.instance.http_address)
+        if old is not None:
+            self._counts[old.instance.role] -= 1
+        self._entries[entry.instance.http_address] = entry
+        self._counts[entry.instance.role] += 1
+
+    def _pop(self, key: Address) -> Entry | None:
+        entry = self._entries.pop(key, None)
+        if entry is not None:
+            self._counts[entry.instance.role] -= 1
+        return entry
 
     def _changed(self) -> None:
         self._version += 1
         self._snapshot = None
+        self._load_stale = False

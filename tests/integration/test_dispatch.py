@@ -212,6 +212,13 @@ def test_round_robin_spreads_evenly_under_concurrency(fleet: LocalFleet) -> None
             [r for r in worker.requests() if r["path"] == "/v1/completions"]
         )
     assert sorted(per_worker.values()) == [50, 50, 50, 50], per_worker
+    # And every (P, D) pair carried KV: 25 requests each, none left out.
+    per_pair: Counter[tuple[str, str]] = Counter()
+    for record in _completion_requests(fleet, "P"):
+        tagged = parse_request_id(record["headers"]["x-request-id"])
+        assert tagged is not None
+        per_pair[(str(tagged.prefill), str(tagged.decode))] += 1
+    assert len(per_pair) == 4 and set(per_pair.values()) == {25}, per_pair
 
 
 def test_metrics_after_traffic(fleet: LocalFleet, client: openai.OpenAI) -> None:
@@ -264,6 +271,23 @@ def test_client_disconnect_mid_stream_reaches_decode(fleet_factory: FleetFactory
     assert len(aborted) == 1, decode.events()
     assert aborted[0]["time"] - hung_up < 1.0
     assert decode.events()["completed"] == []
+
+
+def test_abandoned_streams_give_their_connection_slot_back(fleet_factory: FleetFactory) -> None:
+    fleet = fleet_factory(
+        [WorkerSpec("P"), WorkerSpec("D", token_latency_ms=50)],
+        proxy_args=["--upstream-max-connections", "1"],
+    )
+    for _ in range(3):
+        sock = open_raw_request(
+            fleet.proxy_url + "/v1/completions",
+            {"model": MODEL, "prompt": "leave early", "max_tokens": 500, "stream": True},
+        )
+        read_until(sock, b"data: {", timeout=10)
+        sock.close()
+    # With one slot, any leak would make this wait forever; the client gives up after 10 s.
+    client = openai.OpenAI(base_url=fleet.proxy_url + "/v1", api_key="x", max_retries=0, timeout=10)
+    assert client.completions.create(model=MODEL, prompt="still served", max_tokens=2).choices
 
 
 def test_client_disconnect_during_prefill_cancels_it(fleet_factory: FleetFactory) -> None:

@@ -52,6 +52,8 @@ def fleet(tmp_path_factory: pytest.TempPathFactory) -> Iterator[LocalFleet]:
             "4096",
             "--prefill-timeout",
             "1",
+            "--decode-timeout",
+            "1",
             "--decode-first-byte-timeout",
             "1",
             "--retry-after-seconds",
@@ -155,6 +157,21 @@ def test_decode_first_byte_timeout_is_502(fleet: LocalFleet) -> None:
     set_behaviour(decode, delay_ms=3000)
     answer = post_json(fleet.proxy_url + "/v1/completions", dict(GOOD, stream=True))
     assert_openai_error(answer, 502, "decode", decode.http_address, "first byte")
+
+
+def test_non_streaming_decode_timeout_is_502(fleet: LocalFleet) -> None:
+    decode = fleet.role("D")[0]
+    set_behaviour(decode, delay_ms=3000)
+    answer = post_json(fleet.proxy_url + "/v1/completions", GOOD)
+    assert_openai_error(answer, 502, "decode", decode.http_address, "no answer within 1s")
+
+
+def test_request_timeout_is_504(fleet_factory: FleetFactory) -> None:
+    fleet = fleet_factory([WorkerSpec("P"), WorkerSpec("D")], proxy_args=["--request-timeout", "1"])
+    set_behaviour(fleet.role("D")[0], delay_ms=3000)
+    answer = post_json(fleet.proxy_url + "/v1/completions", GOOD)
+    assert_openai_error(answer, 504, "longer than 1s")
+    assert metric_value(fleet.proxy_url, "pdproxy_inflight_requests") == 0
 
 
 def test_prefill_4xx_passes_through(fleet: LocalFleet) -> None:

@@ -306,3 +306,40 @@ def test_ready_reflects_the_fleet(fleet_factory: FleetFactory, zmq_context: Any)
     )
     wait_for(fleet, lambda i: len(i) == 3, "three instances")
     assert http_get(fleet.proxy_url + "/ready")[0] == 200
+
+
+def test_many_frame_message_is_one_rejection(fleet_factory: FleetFactory, zmq_context: Any) -> None:
+    fleet = fleet_factory([])
+    sock = dealer(zmq_context, fleet, "many-frames")
+    sock.send_multipart([pack(V0)] + [b"x" * 1024] * 3000)
+    wait_until(lambda: rejected_total(fleet) >= 1, 10, "the rejection", fleet.processes())
+    assert (
+        metric_value(
+            fleet.proxy_url,
+            "pdproxy_registry_messages_total",
+            {"outcome": "rejected", "reason": "framing"},
+        )
+        == 1
+    )
+    assert instances(fleet) == {}
+    # The registry still serves honest workers afterwards.
+    honest = dealer(zmq_context, fleet, V0["zmq_address"])
+    honest.send(pack(V0))
+    wait_for(fleet, lambda i: "127.0.0.1:8100" in i, "registration after the flood")
+
+
+def test_load_reports_update_instances(fleet_factory: FleetFactory, zmq_context: Any) -> None:
+    fleet = fleet_factory([])
+    sock = dealer(zmq_context, fleet, "127.0.0.1:21001")
+    for running in range(50):
+        sock.send(pack({**V0, "v": 1, "load": {"running": running}}))
+    wait_for(
+        fleet,
+        lambda i: i.get("127.0.0.1:8100", {}).get("load", {}).get("running") == 49,
+        "the last load report",
+    )
+    assert metric_value(fleet.proxy_url, "pdproxy_registry_instances", {"role": "P"}) == 1
+    assert (
+        metric_value(fleet.proxy_url, "pdproxy_registry_messages_total", {"outcome": "accepted"})
+        == 50
+    )

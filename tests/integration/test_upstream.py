@@ -3,6 +3,8 @@
 from __future__ import annotations
 
 import asyncio
+import socket
+import struct
 from collections.abc import Awaitable, Callable
 from typing import Any
 
@@ -303,5 +305,80 @@ def test_leaving_a_stream_early_closes_the_connection() -> None:
                 assert not client._pools  # and the connection was not pooled for reuse
 
             await with_client(test)
+
+    asyncio.run(scenario())
+
+
+def test_unsolicited_bytes_on_an_idle_connection_are_never_an_answer() -> None:
+    async def chatty(reader: asyncio.StreamReader, writer: asyncio.StreamWriter) -> None:
+        await read_request(reader)
+        writer.write(answer(b'{"first": true}'))
+        await writer.drain()
+        await asyncio.sleep(0.05)
+        # Then, unasked, what some servers send on idle keep-alive connections.
+        writer.write(b"HTTP/1.1 408 Request Timeout\r\nContent-Length: 0\r\n\r\n")
+        await writer.drain()
+        await reader.read()
+
+    async def scenario() -> None:
+        async with Server(chatty) as server:
+
+            async def test(client: Upstream) -> None:
+                first = await client.post(server.address, "/", b"{}", HEADERS, 100)
+                assert first.status == 200
+                await asyncio.sleep(0.2)  # the 408 arrives while the connection is idle
+                second = await client.post(server.address, "/", b"{}", HEADERS, 100)
+                assert second.status == 200 and second.body == b'{"first": true}'
+
+            await with_client(test)
+            assert server.connections == 2
+
+    asyncio.run(scenario())
+
+
+def test_reset_ends_a_body_without_length_as_an_error() -> None:
+    async def reset(reader: asyncio.StreamReader, writer: asyncio.StreamWriter) -> None:
+        await read_request(reader)
+        writer.write(b"HTTP/1.1 200 OK\r\nConnection: close\r\n\r\npart of")
+        await writer.drain()
+        await asyncio.sleep(0.05)
+        sock = writer.get_extra_info("socket")
+        sock.setsockopt(socket.SOL_SOCKET, socket.SO_LINGER, struct.pack("ii", 1, 0))
+        writer.transport.abort()  # RST, not a clean end of the body
+
+    async def scenario() -> None:
+        async with Server(reset) as server:
+            with pytest.raises(UpstreamError) as caught:
+                await with_client(lambda c: c.get(server.address, "/", {}, 100))
+            assert caught.value.kind == "reset"
+
+    asyncio.run(scenario())
+
+
+def test_a_failure_after_the_request_was_read_is_not_replayed() -> None:
+    bodies: list[bytes] = []
+
+    async def slow_then_die(reader: asyncio.StreamReader, writer: asyncio.StreamWriter) -> None:
+        while True:
+            _, body = await read_request(reader)
+            bodies.append(body)
+            if len(bodies) == 1:
+                writer.write(answer(b"{}"))
+                await writer.drain()
+                continue
+            await asyncio.sleep(0.5)  # works on it a while, then the process dies
+            writer.transport.abort()
+            return
+
+    async def scenario() -> None:
+        async with Server(slow_then_die) as server:
+
+            async def test(client: Upstream) -> None:
+                await client.post(server.address, "/", b"1", HEADERS, 100)
+                with pytest.raises(UpstreamError):
+                    await client.post(server.address, "/", b"2", HEADERS, 100)
+
+            await with_client(test)
+            assert bodies == [b"1", b"2"]  # "2" was sent once, never replayed
 
     asyncio.run(scenario())

@@ -72,6 +72,7 @@ SAMPLES: dict[str, tuple[str, Any]] = {
     "connect_timeout": ("1.5", 1.5),
     "prefill_timeout": ("30", 30.0),
     "decode_first_byte_timeout": ("12.5", 12.5),
+    "decode_timeout": ("42", 42.0),
     "stream_idle_timeout": ("13", 13.0),
     "request_timeout": ("14", 14.0),
     "retry_after_seconds": ("3", 3),

@@ -179,7 +179,8 @@ def test_update_yields_a_new_snapshot_version(changed: Announcement) -> None:
     t.announce(v1(1), now=100.0)
     before = t.snapshot()
     change, instance = t.announce(changed, now=104.0)
-    assert change is Change.UPDATED
+    only_load = changed.load is not None and changed.model == "m" and changed.version == 1
+    assert change is (Change.LOAD if only_load else Change.UPDATED)
     assert instance == instance_from(changed)
     assert t.entries() == [Entry(instance, first_seen=100.0, last_seen=104.0)]
     after = t.snapshot()
@@ -200,7 +201,7 @@ def test_role_change_moves_instance_between_lists() -> None:
 def test_load_only_update_then_same_load_refreshes() -> None:
     t = table()
     t.announce(v1(1, load=Load(running=1)), now=0.0)
-    assert t.announce(v1(1, load=Load(running=2)), now=1.0)[0] is Change.UPDATED
+    assert t.announce(v1(1, load=Load(running=2)), now=1.0)[0] is Change.LOAD
     version = t.snapshot().version
     assert t.announce(v1(1, load=Load(running=2)), now=2.0)[0] is Change.REFRESHED
     assert t.snapshot().version == version
@@ -212,7 +213,7 @@ def test_snapshot_is_built_lazily_once_per_burst() -> None:
     for i in range(5):
         t.announce(v1(1, load=Load(running=i + 10)), now=float(i))
     snapshot = t.snapshot()
-    assert snapshot.version == 6
+    assert snapshot.version == 2  # one build for the registration, one for the whole burst
     assert snapshot.prefills[0].load == Load(running=14)
     assert t.snapshot() is snapshot
 
@@ -395,7 +396,7 @@ def test_static_accepts_a_matching_v1_announcement_and_stays_static() -> None:
     t = table()
     t.add_static(static(1, model="m"), now=0.0)
     change, instance = t.announce(v1(1, model="m", load=Load(kv_usage=0.5)), now=5.0)
-    assert change is Change.UPDATED
+    assert change is Change.LOAD
     assert instance.source is Source.STATIC
     assert instance.load == Load(kv_usage=0.5)
     assert t.expire(now=1e9) == []
@@ -438,7 +439,7 @@ def test_capacity_rejects_new_but_refreshes_and_updates_existing() -> None:
     assert len(t) == 2
     assert t.snapshot() is before
     assert t.announce(v1(1), now=2.0)[0] is Change.REFRESHED
-    assert t.announce(v1(2, load=Load(running=1)), now=2.0)[0] is Change.UPDATED
+    assert t.announce(v1(2, load=Load(running=1)), now=2.0)[0] is Change.LOAD
     assert entry(t, http(1)).last_seen == 2.0
 
 
@@ -462,3 +463,46 @@ def test_capacity_applies_to_static() -> None:
     with pytest.raises(Rejected) as info:
         t.announce(v1(2), now=0.0)
     assert info.value.reason is Reason.CAPACITY
+
+
+# ---------------------------------------------------------------------------------------------
+# load reports and counts
+
+
+def test_load_only_change_is_its_own_kind_and_lags_the_routing_snapshot() -> None:
+    t = RegistryTable(ttl=TTL, max_instances=10, load_refresh=0.5)
+    t.announce(v1(1, load=Load(running=1)), now=0.0)
+    routed = t.snapshot(now=0.0)
+    change, instance = t.announce(v1(1, load=Load(running=7)), now=0.1)
+    assert change is Change.LOAD and instance.load == Load(running=7)
+    # Within load_refresh the routing snapshot is the same object: no rebuild per report.
+    assert t.snapshot(now=0.2) is routed
+    later = t.snapshot(now=0.6)
+    assert later is not routed and later.version > routed.version
+    assert later.prefills[0].load == Load(running=7)
+    # The exact view never lags.
+    t.announce(v1(1, load=Load(running=9)), now=0.7)
+    assert t.snapshot().prefills[0].load == Load(running=9)
+
+
+def test_a_model_change_is_not_a_load_change() -> None:
+    t = table()
+    t.announce(v1(1, model="a"), now=0.0)
+    routed = t.snapshot(now=0.0)
+    change, _ = t.announce(v1(1, model="b"), now=0.1)
+    assert change is Change.UPDATED
+    assert t.snapshot(now=0.1) is not routed  # membership-relevant changes never lag
+
+
+def test_counts_follow_every_path() -> None:
+    t = table()
+    t.announce(v1(1), now=0.0)
+    t.announce(v1(2, Role.DECODE), now=0.0)
+    t.add_static(static(3, Role.DECODE), now=0.0)
+    assert (t.count(Role.PREFILL), t.count(Role.DECODE)) == (1, 2)
+    t.announce(v1(1, Role.DECODE), now=1.0)  # the instance changed role
+    assert (t.count(Role.PREFILL), t.count(Role.DECODE)) == (0, 3)
+    t.remove(http(2))
+    assert t.count(Role.DECODE) == 2
+    t.expire(now=TTL + 5)
+    assert (t.count(Role.PREFILL), t.count(Role.DECODE)) == (0, 1)  # the static one stays
