@@ -177,6 +177,10 @@ class Dispatcher:
 
     def _leg_failed(self, role: str, instance: Instance, kind: str, detail: str) -> ProxyError:
         self._metrics.upstream_errors.labels(role, kind).inc()
+        if kind == "saturated":
+            return ProxyError(
+                503, f"pdproxy is saturated: {detail}", code="saturated", headers=self._retry_after
+            )
         return ProxyError(
             502, f"{role} instance {instance.name} failed: {detail}", code=f"{role}_{kind}"
         )

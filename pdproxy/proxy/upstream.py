@@ -38,7 +38,8 @@ _STALE_WINDOW = 0.25
 
 
 class UpstreamError(Exception):
-    """A leg failed below HTTP. kind: connect, connect_timeout, reset, protocol, too_large."""
+    """A leg failed below HTTP. kind: connect, connect_timeout, reset, protocol, too_large,
+    saturated (no free upstream slot: the proxy's congestion, not the instance's)."""
 
     def __init__(self, kind: str, detail: str) -> None:
         super().__init__(detail)
@@ -266,7 +267,8 @@ class _Pool:
 class Upstream:
     def __init__(self, settings: Settings) -> None:
         self._connect_timeout = settings.connect_timeout
-        self._slots = asyncio.Semaphore(settings.upstream_max_connections)
+        self._slot_count = settings.upstream_max_connections
+        self._slots = asyncio.Semaphore(self._slot_count)
         self._pools: dict[Address, _Pool] = {}
         self._pruner: asyncio.Task[None] | None = None
 
@@ -313,7 +315,8 @@ class Upstream:
         aborts the request.
         """
         head = _request_head(method, address, path, body, headers)
-        async with self._slots:
+        await self._take_slot()
+        try:
             connection = await self._exchange(address, head, body)
             try:
                 yield Stream(connection)
@@ -326,6 +329,24 @@ class Upstream:
                 self._pools.setdefault(address, _Pool()).idle.append(connection)
             else:
                 connection.close()
+        finally:
+            self._slots.release()
+
+    async def _take_slot(self) -> None:
+        # Waiting for a free slot is the proxy's own congestion, not the instance's: it gets
+        # its own bound and its own error kind, so no instance is blamed for it.
+        if not self._slots.locked():
+            await self._slots.acquire()
+            return
+        try:
+            async with asyncio.timeout(self._connect_timeout):
+                await self._slots.acquire()
+        except TimeoutError:
+            raise UpstreamError(
+                "saturated",
+                f"all {self._slot_count} upstream exchanges stayed busy for "
+                f"{self._connect_timeout:g}s",
+            ) from None
 
     async def _exchange(self, address: Address, head: bytes, body: bytes | None) -> _Connection:
         loop = asyncio.get_running_loop()

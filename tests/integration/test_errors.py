@@ -145,11 +145,11 @@ def test_decode_5xx_is_502_naming_role_and_instance(fleet: LocalFleet) -> None:
 
 def test_prefill_timeout_is_502(fleet: LocalFleet) -> None:
     prefill = fleet.role("P")[0]
-    set_behaviour(prefill, delay_ms=3000)
+    set_behaviour(prefill, delay_ms=6000)
     started = time.monotonic()
     answer = post_json(fleet.proxy_url + "/v1/completions", GOOD)
     assert_openai_error(answer, 502, "prefill", prefill.http_address, "within 1s")
-    assert time.monotonic() - started < 2.9  # the bound fired, not the fake's own delay
+    assert time.monotonic() - started < 5.5  # the 1 s bound fired, not the fake's own delay
 
 
 def test_decode_first_byte_timeout_is_502(fleet: LocalFleet) -> None:
@@ -259,3 +259,28 @@ def _completion_requests(fleet: LocalFleet, role: str) -> list[dict[str, Any]]:
 
 def _decode_completion_requests(fleet: LocalFleet) -> list[dict[str, Any]]:
     return _completion_requests(fleet, "D")
+
+
+def test_saturated_proxy_is_503_not_an_instance_failure(fleet_factory: FleetFactory) -> None:
+    fleet = fleet_factory(
+        [WorkerSpec("P"), WorkerSpec("D", token_latency_ms=100)],
+        proxy_args=["--upstream-max-connections", "1", "--connect-timeout", "0.5"],
+    )
+    sock = open_raw_request(
+        fleet.proxy_url + "/v1/completions", dict(GOOD, max_tokens=100, stream=True)
+    )
+    try:
+        read_until(sock, b"data: {", timeout=10)  # the only slot is now busy streaming
+        answer = post_json(fleet.proxy_url + "/v1/completions", GOOD)
+    finally:
+        sock.close()
+    assert_openai_error(answer, 503, "saturated")
+    assert answer.headers["retry-after"] == "2"
+    assert (
+        metric_value(
+            fleet.proxy_url,
+            "pdproxy_upstream_errors_total",
+            {"role": "prefill", "kind": "saturated"},
+        )
+        == 1
+    )
