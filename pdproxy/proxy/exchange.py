@@ -110,6 +110,10 @@ class Exchange:
         )
 
     async def chunk(self, data: bytes) -> None:
+        if data.endswith(SSE_DONE):
+            # The client holds a whole stream now and may hang up before the upstream's EOF
+            # reaches us: that is a completed request, not an abandoned one.
+            self.complete = True
         await self._send({"type": "http.response.body", "body": data, "more_body": True})
 
     async def end_stream(self, data: bytes = b"") -> None:

@@ -222,6 +222,12 @@ def test_round_robin_spreads_evenly_under_concurrency(fleet: LocalFleet) -> None
 
 
 def test_metrics_after_traffic(fleet: LocalFleet, client: openai.OpenAI) -> None:
+    for chunk in client.chat.completions.create(
+        model=MODEL, messages=[{"role": "user", "content": "s"}], max_tokens=3, stream=True
+    ):
+        assert chunk.id.startswith("chatcmpl-")
+    # A client that hangs up right after [DONE] finished its request: 200, not 499.
+    assert metric_value(fleet.proxy_url, "pdproxy_requests_total", {"status": "499"}) == 0
     before = metric_value(
         fleet.proxy_url, "pdproxy_requests_total", {"endpoint": "/v1/completions", "status": "200"}
     )
