@@ -1,0 +1,45 @@
+"""`pdproxy fake-worker` and `python -m pdproxy.testing.fake_worker`: flags in, exit code out."""
+
+from __future__ import annotations
+
+import argparse
+import asyncio
+import sys
+from collections.abc import Sequence
+
+from pdproxy.ids import AddressError
+from pdproxy.testing.fake_worker.arguments import add_arguments, config_from_args
+from pdproxy.testing.fake_worker.server import run_worker
+
+DESCRIPTION = (
+    "Run a fake vLLM prefill or decode worker: OpenAI endpoints with deterministic text, "
+    "P2pNcclConnector-style KV handoff over ZMQ, registry announcements, and /_fake/ control "
+    "endpoints for tests."
+)
+
+
+def run_from_args(args: argparse.Namespace) -> int:
+    """Entry point for `pdproxy fake-worker`; returns the process exit code."""
+    try:
+        cfg = config_from_args(args)
+    except AddressError as err:
+        print(f"fake-worker: bad KV address: {err}", file=sys.stderr)
+        return 2
+    return asyncio.run(run_worker(cfg))
+
+
+def add_cli(subparsers: argparse._SubParsersAction[argparse.ArgumentParser]) -> None:
+    """Add the `fake-worker` subcommand; its `func` default runs the worker."""
+    parser = subparsers.add_parser(
+        "fake-worker", help="run a fake vLLM worker (tests, demo)", description=DESCRIPTION
+    )
+    add_arguments(parser)
+    parser.set_defaults(func=run_from_args)
+
+
+def main(argv: Sequence[str] | None = None) -> int:
+    parser = argparse.ArgumentParser(
+        prog="python -m pdproxy.testing.fake_worker", description=DESCRIPTION
+    )
+    add_arguments(parser)
+    return run_from_args(parser.parse_args(argv))

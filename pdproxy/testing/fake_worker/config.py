@@ -1,0 +1,39 @@
+"""What one fake worker is: its role, addresses, model, latencies and announced geometry."""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+from typing import Literal
+
+from pdproxy.ids import Address
+
+Role = Literal["P", "D"]
+
+
+@dataclass(frozen=True, slots=True)
+class Geometry:
+    tp_size: int = 1
+    block_size: int = 16
+    num_layers: int = 2
+    num_kv_heads: int = 2
+    head_dim: int = 32
+    kv_dtype: str = "float16"
+    is_mla: bool = False
+    kv_layout: str = "NHD"
+
+
+@dataclass(frozen=True, slots=True)
+class WorkerConfig:
+    role: Role
+    http: Address
+    kv: Address
+    proxy: Address | None
+    announce: Literal["v0", "v1"]
+    announce_interval_s: float
+    model: str
+    token_latency_s: float
+    prefill_latency_s: float
+    kv_timeout_s: float
+    max_model_len: int
+    connector: str
+    geometry: Geometry

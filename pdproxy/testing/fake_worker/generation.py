@@ -1,0 +1,157 @@
+"""A completion or chat request, validated the way vLLM validates it."""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+from typing import Any
+
+from pdproxy.testing.fake_worker.http_json import ApiError
+
+DEFAULT_MAX_TOKENS = 16
+
+
+@dataclass(frozen=True, slots=True)
+class Prompt:
+    text: str
+    tokens: int
+
+
+@dataclass(frozen=True, slots=True)
+class Generation:
+    """A validated completion or chat request."""
+
+    chat: bool
+    prompts: tuple[Prompt, ...]
+    max_tokens: int
+    stream: bool
+    include_usage: bool
+
+
+def text_prompt(text: str) -> Prompt:
+    return Prompt(text, len(text.split()))
+
+
+def token_prompt(ids: list[Any]) -> Prompt:
+    if not all(isinstance(i, int) and not isinstance(i, bool) for i in ids):
+        raise ApiError(400, "prompt token ids must be integers", "prompt")
+    return Prompt(" ".join(map(str, ids)), len(ids))
+
+
+def parse_prompts(value: Any) -> tuple[Prompt, ...]:
+    """`prompt`: a string, a list of strings, a list of ints, or a list of lists of ints."""
+    if value is None:
+        raise ApiError(400, "Field required: prompt", "prompt")
+    if isinstance(value, str):
+        return (text_prompt(value),)
+    if not isinstance(value, list) or not value:
+        raise ApiError(400, "prompt must be a string or a non-empty list", "prompt")
+    if all(isinstance(item, str) for item in value):
+        return tuple(text_prompt(item) for item in value)
+    if all(isinstance(item, list) for item in value):
+        return tuple(token_prompt(item) for item in value)
+    return (token_prompt(value),)
+
+
+def message_text(message: Any) -> str:
+    if not isinstance(message, dict) or not isinstance(message.get("role"), str):
+        raise ApiError(400, "each message must be an object with a string 'role'", "messages")
+    content = message.get("content")
+    if content is None or isinstance(content, str):
+        return content or ""
+    if isinstance(content, list):
+        # OpenAI content parts; only text parts carry prompt text here.
+        return "".join(
+            part["text"]
+            for part in content
+            if isinstance(part, dict)
+            and part.get("type") == "text"
+            and isinstance(part.get("text"), str)
+        )
+    raise ApiError(400, "message content must be a string, a list of parts or null", "messages")
+
+
+def parse_messages(value: Any) -> Prompt:
+    """Chat `messages` -> one prompt: the message contents joined by newlines."""
+    if value is None:
+        raise ApiError(400, "Field required: messages", "messages")
+    if not isinstance(value, list) or not value:
+        raise ApiError(400, "messages must be a non-empty list", "messages")
+    return text_prompt("\n".join(message_text(m) for m in value))
+
+
+def parse_max_tokens(body: dict[str, Any], name: str) -> int | None:
+    value = body.get(name)
+    if value is None:
+        return None
+    if not isinstance(value, int) or isinstance(value, bool):
+        raise ApiError(400, f"{name} must be an integer, got {value!r}", name)
+    if value < 1:
+        raise ApiError(400, f"{name} must be at least 1, got {value}.", name)
+    return value
+
+
+def check_sampling(body: dict[str, Any]) -> None:
+    n = body.get("n")
+    if n is not None and n != 1:
+        # Loud rather than silently answering one choice where vLLM would answer n.
+        raise ApiError(400, f"fake worker supports only n=1, got {n!r}", "n")
+    temperature = body.get("temperature")
+    if temperature is None:
+        return
+    if not isinstance(temperature, int | float) or isinstance(temperature, bool):
+        raise ApiError(400, f"temperature must be a number, got {temperature!r}", "temperature")
+    if temperature < 0:
+        raise ApiError(400, f"temperature must be non-negative, got {temperature}.", "temperature")
+
+
+def parse_stream(body: dict[str, Any]) -> tuple[bool, bool]:
+    """(stream, include_usage). vLLM refuses stream_options on a non-streaming request."""
+    stream = body.get("stream")
+    if stream is not None and not isinstance(stream, bool):
+        raise ApiError(400, f"stream must be a boolean, got {stream!r}", "stream")
+    options = body.get("stream_options")
+    if options is None:
+        return bool(stream), False
+    if not isinstance(options, dict):
+        raise ApiError(400, "stream_options must be an object", "stream_options")
+    if not stream:
+        raise ApiError(
+            400, "Stream options can only be defined when `stream=True`.", "stream_options"
+        )
+    return True, bool(options.get("include_usage"))
+
+
+def check_context_length(prompts: tuple[Prompt, ...], max_tokens: int, max_model_len: int) -> None:
+    for prompt in prompts:
+        total = prompt.tokens + max_tokens
+        if total > max_model_len:
+            raise ApiError(
+                400,
+                f"This model's maximum context length is {max_model_len} tokens. However, you "
+                f"requested {total} tokens ({prompt.tokens} in the messages, {max_tokens} in the "
+                "completion). Please reduce the length of the messages or completion.",
+            )
+
+
+def parse_generation(body: dict[str, Any], chat: bool, max_model_len: int) -> Generation:
+    if chat:
+        # Like vLLM: max_completion_tokens wins over the deprecated max_tokens.
+        completion_max = parse_max_tokens(body, "max_completion_tokens")
+        legacy_max = parse_max_tokens(body, "max_tokens")
+        max_tokens = completion_max if completion_max is not None else legacy_max
+        prompts: tuple[Prompt, ...] = (parse_messages(body.get("messages")),)
+    else:
+        max_tokens = parse_max_tokens(body, "max_tokens")
+        prompts = parse_prompts(body.get("prompt"))
+    check_sampling(body)
+    stream, include_usage = parse_stream(body)
+    if max_tokens is None:
+        max_tokens = DEFAULT_MAX_TOKENS
+    check_context_length(prompts, max_tokens, max_model_len)
+    return Generation(chat, prompts, max_tokens, stream, include_usage)
+
+
+def check_model(body: dict[str, Any], served: str) -> None:
+    model = body.get("model")
+    if model is not None and model != served:
+        raise ApiError(404, f"The model `{model}` does not exist.", "model")

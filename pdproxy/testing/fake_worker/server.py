@@ -1,0 +1,75 @@
+"""Running one fake worker: bind its HTTP and KV ports, announce, serve until a signal."""
+
+from __future__ import annotations
+
+import asyncio
+import contextlib
+import signal
+import socket
+import sys
+
+import zmq
+import zmq.asyncio
+from aiohttp import web
+
+from pdproxy.testing.fake_worker.announce import start_announcing
+from pdproxy.testing.fake_worker.asyncio_helpers import cancel_task
+from pdproxy.testing.fake_worker.config import WorkerConfig
+from pdproxy.testing.fake_worker.kv_transport import receive_kv
+from pdproxy.testing.fake_worker.worker import FakeWorker
+
+HTTP_SHUTDOWN_TIMEOUT_S = 1.0
+
+
+def zmq_bind_host(host: str) -> str:
+    """ZMQ binds to an interface or IP, not a DNS name: resolve names such as "localhost"."""
+    try:
+        socket.inet_aton(host)
+    except OSError:
+        return socket.gethostbyname(host)
+    return host
+
+
+async def run_worker(cfg: WorkerConfig) -> int:
+    """Serve until SIGTERM/SIGINT (exit 0); 1 if a port cannot be bound."""
+    loop = asyncio.get_running_loop()
+    stop = asyncio.Event()
+    ctx = zmq.asyncio.Context()
+    worker = FakeWorker(cfg, ctx)
+    async with contextlib.AsyncExitStack() as stack:
+        # Unwound in reverse order; the context goes last, after every socket is closed.
+        stack.callback(ctx.term)
+        stack.callback(worker.kv_sender.close)
+        for signum in (signal.SIGTERM, signal.SIGINT):
+            loop.add_signal_handler(signum, stop.set)
+            stack.callback(loop.remove_signal_handler, signum)
+
+        kv_socket = ctx.socket(zmq.PULL)
+        kv_socket.setsockopt(zmq.LINGER, 0)
+        stack.callback(kv_socket.close, 0)
+        runner = web.AppRunner(
+            worker.build_app(),
+            handler_cancellation=True,
+            access_log=None,
+            shutdown_timeout=HTTP_SHUTDOWN_TIMEOUT_S,
+        )
+        try:
+            kv_socket.bind(f"tcp://{zmq_bind_host(cfg.kv.host)}:{cfg.kv.port}")
+            await runner.setup()
+            stack.push_async_callback(runner.cleanup)
+            await web.TCPSite(runner, cfg.http.host, cfg.http.port).start()
+        except (OSError, zmq.ZMQError) as err:
+            print(f"fake-worker: cannot bind: {err}", file=sys.stderr)
+            return 1
+
+        stack.push_async_callback(
+            cancel_task, loop.create_task(receive_kv(kv_socket, worker.kv_store, worker.records))
+        )
+        if cfg.proxy is not None:
+            await start_announcing(stack, ctx, cfg, lambda: worker.in_flight)
+        print(
+            f"fake-worker ready: role={cfg.role} http={cfg.http} kv={cfg.kv} model={cfg.model}",
+            flush=True,
+        )
+        await stop.wait()
+    return 0

@@ -1,0 +1,128 @@
+"""One fake worker's state and its vLLM endpoints: completions, chat, models, health."""
+
+from __future__ import annotations
+
+import asyncio
+import time
+import uuid
+
+import zmq.asyncio
+from aiohttp import web
+
+from pdproxy.testing.fake_worker.asyncio_helpers import sleep
+from pdproxy.testing.fake_worker.config import WorkerConfig
+from pdproxy.testing.fake_worker.control import Control
+from pdproxy.testing.fake_worker.generation import Generation, check_model, parse_generation
+from pdproxy.testing.fake_worker.http_json import ApiError, json_response, parse_json_object
+from pdproxy.testing.fake_worker.kv_handoff import KvHandoff
+from pdproxy.testing.fake_worker.kv_store import KvStore
+from pdproxy.testing.fake_worker.kv_transport import KvSender
+from pdproxy.testing.fake_worker.records import Exchange, Records
+from pdproxy.testing.fake_worker.responses import Envelope, full_response
+from pdproxy.testing.fake_worker.streaming import SSE_DONE, chunks, sse
+
+MAX_BODY_BYTES = 64 * 1024 * 1024
+
+
+class FakeWorker:
+    """All state of one fake worker; built in run_worker and handed to the aiohttp app."""
+
+    def __init__(self, cfg: WorkerConfig, ctx: zmq.asyncio.Context) -> None:
+        self.cfg = cfg
+        self.records = Records()
+        self.control = Control(self.records)
+        self.kv_store = KvStore()
+        self.kv_sender = KvSender(ctx, str(cfg.kv))
+        self.kv_handoff = KvHandoff(cfg, self.kv_store, self.kv_sender, self.records)
+        self.in_flight = 0
+        self.started = int(time.time())
+
+    def build_app(self) -> web.Application:
+        app = web.Application(
+            middlewares=[self.control.record_request], client_max_size=MAX_BODY_BYTES
+        )
+        app.router.add_post("/v1/completions", self.completions)
+        app.router.add_post("/v1/chat/completions", self.chat_completions)
+        app.router.add_get("/v1/models", self.models)
+        app.router.add_get("/health", self.health)
+        self.control.add_routes(app.router)
+        return app
+
+    async def completions(self, request: web.Request) -> web.StreamResponse:
+        return await self._generate(request, chat=False)
+
+    async def chat_completions(self, request: web.Request) -> web.StreamResponse:
+        return await self._generate(request, chat=True)
+
+    async def models(self, request: web.Request) -> web.StreamResponse:
+        card = {
+            "id": self.cfg.model,
+            "object": "model",
+            "created": self.started,
+            "owned_by": "vllm",
+            "root": self.cfg.model,
+            "parent": None,
+            "max_model_len": self.cfg.max_model_len,
+        }
+        return json_response({"object": "list", "data": [card]})
+
+    async def health(self, request: web.Request) -> web.StreamResponse:
+        return web.Response(status=200)
+
+    async def _generate(self, request: web.Request, chat: bool) -> web.StreamResponse:
+        header_id = request.headers.get("X-Request-Id")
+        response_id = f"{'chatcmpl' if chat else 'cmpl'}-{header_id or uuid.uuid4().hex}"
+        exchange = Exchange(header_id or response_id, request.path)
+        self.in_flight += 1
+        try:
+            return await self._answer(request, chat, header_id, response_id, exchange)
+        except asyncio.CancelledError:
+            # handler_cancellation: the client went away (or the server is stopping).
+            self.records.add_abort(exchange)
+            raise
+        finally:
+            self.in_flight -= 1
+
+    async def _answer(
+        self,
+        request: web.Request,
+        chat: bool,
+        header_id: str | None,
+        response_id: str,
+        exchange: Exchange,
+    ) -> web.StreamResponse:
+        behaviour = self.control.behaviour
+        await sleep(behaviour.delay_s)
+        if behaviour.status is not None:
+            return behaviour.response()
+        try:
+            body = parse_json_object(await request.read())
+            check_model(body, self.cfg.model)
+            generation = parse_generation(body, chat, self.cfg.max_model_len)
+            await self.kv_handoff.before_first_token(header_id, generation)
+        except ApiError as err:
+            return err.response()
+        env = Envelope(response_id, int(time.time()), self.cfg.model)
+        if generation.stream:
+            return await self._stream(request, env, generation, exchange)
+        await sleep(self.cfg.token_latency_s * generation.max_tokens)
+        self.records.add("completed", exchange.record_id)
+        return json_response(full_response(env, generation))
+
+    async def _stream(
+        self, request: web.Request, env: Envelope, generation: Generation, exchange: Exchange
+    ) -> web.StreamResponse:
+        response = web.StreamResponse(
+            headers={"Content-Type": "text/event-stream", "Cache-Control": "no-cache"}
+        )
+        try:
+            await response.prepare(request)
+            async for chunk in chunks(env, generation, self.cfg.token_latency_s):
+                await response.write(sse(chunk))
+            await response.write(SSE_DONE)
+        except ConnectionResetError:
+            # The peer closed before the handler was cancelled; aiohttp copes with the return.
+            self.records.add_abort(exchange)
+            return response
+        self.records.add("completed", exchange.record_id)
+        return response
