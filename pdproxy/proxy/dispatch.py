@@ -8,10 +8,12 @@ prefill never sends decode (vLLM's example proxy goes on to decode, which then w
 from __future__ import annotations
 
 import asyncio
+import contextlib
 import logging
 import os
 import time
-from collections.abc import Callable
+from collections.abc import Callable, Iterator
+from dataclasses import dataclass
 
 from pdproxy.config import Settings
 from pdproxy.ids import build_request_id
@@ -28,6 +30,14 @@ log = logging.getLogger("pdproxy.dispatch")
 PREFILL = "prefill"
 DECODE = "decode"
 _ERROR_SNIPPET = 300
+
+
+@dataclass(slots=True)
+class Wait:
+    """What a leg is waiting for right now, and for how long at most."""
+
+    what: str
+    limit: float
 
 
 class Dispatcher:
@@ -87,9 +97,8 @@ class Dispatcher:
     ) -> Reply | None:
         settings = self._settings
         started = time.perf_counter()
-        self._metrics.leg_started(PREFILL, instance.name)
-        try:
-            async with asyncio.timeout(settings.prefill_timeout):
+        with self._leg(PREFILL, instance, "answer", settings.prefill_timeout) as wait:
+            async with asyncio.timeout(wait.limit):
                 reply = await self._upstream.post(
                     instance.http_address,
                     request.path,
@@ -97,14 +106,6 @@ class Dispatcher:
                     headers,
                     settings.max_response_bytes,
                 )
-        except TimeoutError:
-            raise self._leg_failed(
-                PREFILL, instance, "timeout", f"no answer within {settings.prefill_timeout:g}s"
-            ) from None
-        except UpstreamError as exc:
-            raise self._leg_failed(PREFILL, instance, exc.kind, exc.detail) from None
-        finally:
-            self._metrics.leg_finished(PREFILL, instance.name)
         self._metrics.prefill_duration.observe(time.perf_counter() - started)
         if 200 <= reply.status < 300:
             return None
@@ -130,9 +131,8 @@ class Dispatcher:
             waiting, limit = "first byte", settings.decode_first_byte_timeout
         else:
             waiting, limit = "answer", settings.decode_timeout
-        self._metrics.leg_started(DECODE, instance.name)
-        try:
-            async with asyncio.timeout(limit) as deadline:
+        with self._leg(DECODE, instance, waiting, limit) as wait:
+            async with asyncio.timeout(wait.limit) as deadline:
                 async with self._upstream.stream(
                     "POST", instance.http_address, request.path, request.body, headers
                 ) as stream:
@@ -157,23 +157,32 @@ class Dispatcher:
                     self._metrics.decode_first_byte.observe(time.perf_counter() - started)
                     deadline.reschedule(None)
                     await exchange.start_stream(stream.status, stream.content_type.encode())
-                    waiting, limit = "next chunk", settings.stream_idle_timeout
+                    wait.what, wait.limit = "next chunk", settings.stream_idle_timeout
                     while chunk:
                         # Only the instance is on the clock: a slow client is not its fault
                         # (the request timeout bounds the client).
                         await exchange.chunk(chunk)
-                        deadline.reschedule(loop.time() + limit)
+                        deadline.reschedule(loop.time() + wait.limit)
                         chunk = await stream.next_chunk()
                         deadline.reschedule(None)
                     await exchange.end_stream()
+
+    @contextlib.contextmanager
+    def _leg(self, role: str, instance: Instance, what: str, limit: float) -> Iterator[Wait]:
+        """Count the leg in flight and turn its failures into 502s naming role and instance;
+        `Wait` says what a timeout was waiting for."""
+        wait = Wait(what, limit)
+        self._metrics.leg_started(role, instance.name)
+        try:
+            yield wait
         except TimeoutError:
             raise self._leg_failed(
-                DECODE, instance, "timeout", f"no {waiting} within {limit:g}s"
+                role, instance, "timeout", f"no {wait.what} within {wait.limit:g}s"
             ) from None
         except UpstreamError as exc:
-            raise self._leg_failed(DECODE, instance, exc.kind, exc.detail) from None
+            raise self._leg_failed(role, instance, exc.kind, exc.detail) from None
         finally:
-            self._metrics.leg_finished(DECODE, instance.name)
+            self._metrics.leg_finished(role, instance.name)
 
     def _leg_failed(self, role: str, instance: Instance, kind: str, detail: str) -> ProxyError:
         self._metrics.upstream_errors.labels(role, kind).inc()
