@@ -134,6 +134,20 @@ class Settings(BaseModel):
         "info", description="Log level."
     )
 
+    @model_validator(mode="after")
+    def _connect_within_leg_timeouts(self) -> Settings:
+        # Connecting (and waiting for a free upstream slot) happens inside every leg's bound;
+        # a leg bound shorter than it would blame instances for the proxy's own waiting.
+        for name in (
+            "prefill_timeout",
+            "decode_first_byte_timeout",
+            "decode_timeout",
+            "request_timeout",
+        ):
+            if getattr(self, name) <= self.connect_timeout:
+                raise ValueError(f"{name} must be longer than connect_timeout")
+        return self
+
 
 class ConfigError(ValueError):
     """Settings could not be built; the message says which source and why."""

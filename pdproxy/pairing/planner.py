@@ -8,6 +8,7 @@ is a dictionary lookup plus the policies' choice.
 
 from __future__ import annotations
 
+import math
 from collections.abc import Sequence
 from dataclasses import dataclass
 
@@ -112,11 +113,21 @@ class FleetIndex:
 
 
 class Planner:
-    """Holds the per-role tickets and the index of the latest snapshot. Deterministic."""
+    """Holds the per-role tickets and the index of the latest snapshot. Deterministic.
 
-    def __init__(self, prefill_policy: Policy, decode_policy: Policy) -> None:
+    Both tickets advance once per plan, so two round-robin cursors over fleets whose sizes
+    share a factor would move in lockstep: with 2 P and 2 D only (P0, D0) and (P1, D1) would
+    ever carry KV. With `spread_pairs`, the decode ticket slips one place every lcm(P, D)
+    plans; over P x D plans every (P, D) pair is then used exactly once, and every instance
+    still gets its even share.
+    """
+
+    def __init__(
+        self, prefill_policy: Policy, decode_policy: Policy, spread_pairs: bool = False
+    ) -> None:
         self._prefill_policy = prefill_policy
         self._decode_policy = decode_policy
+        self._spread_pairs = spread_pairs
         self._prefill_ticket = 0
         self._decode_ticket = 0
         self._index: FleetIndex | None = None
@@ -132,15 +143,18 @@ class Planner:
             return NoPair(view.reason(model))
         prefill = self._prefill_policy.choose(view.prefills, self._prefill_ticket)
         self._prefill_ticket += 1
-        decode = self._decode_policy.choose(view.decodes_for(prefill), self._decode_ticket)
+        decodes = view.decodes_for(prefill)
+        ticket = self._decode_ticket
+        if self._spread_pairs:
+            ticket += ticket // math.lcm(len(view.prefills), len(decodes))
+        decode = self._decode_policy.choose(decodes, ticket)
         self._decode_ticket += 1
         return Pair(prefill, decode)
 
 
 def round_robin_planner() -> Planner:
-    """The reference pairing: round robin per role; the decode cycle rotates so that fleets of
-    equal size do not pair in lockstep (see RoundRobin)."""
-    return Planner(RoundRobin(), RoundRobin(rotate=True))
+    """The reference pairing: round robin per role, spread over every (P, D) pair."""
+    return Planner(RoundRobin(), RoundRobin(), spread_pairs=True)
 
 
 @dataclass(frozen=True, slots=True)

@@ -51,13 +51,7 @@ class CompletionsEndpoint:
             self._log_failure(exc, client_id, exchange.request_id)
             await exchange.fail(exc)
         except TimeoutError:
-            await exchange.fail(
-                ProxyError(
-                    504,
-                    f"request took longer than {self._settings.request_timeout:g}s",
-                    code="request_timeout",
-                )
-            )
+            await exchange.fail(self._timed_out(exchange))
         except ClientGone:
             exchange.client_gone = True
         except asyncio.CancelledError:
@@ -85,6 +79,12 @@ class CompletionsEndpoint:
                     exchange.request_id or "-",
                 )
 
+    def _timed_out(self, exchange: Exchange) -> ProxyError:
+        limit = self._settings.request_timeout
+        if not exchange.body_read:  # the client was too slow to send its request
+            return ProxyError(408, f"request body not received within {limit:g}s", code="timeout")
+        return ProxyError(504, f"request took longer than {limit:g}s", code="request_timeout")
+
     @staticmethod
     def _log_failure(exc: ProxyError, client_id: bytes | None, request_id: str) -> None:
         log.warning(
@@ -96,7 +96,7 @@ class CompletionsEndpoint:
         )
 
 
-_STATUS_TEXT = {code: str(code) for code in (200, 400, 404, 413, 499, 502, 503, 504)}
+_STATUS_TEXT = {code: str(code) for code in (200, 400, 404, 408, 413, 499, 502, 503, 504)}
 
 
 def _read_headers(raw: list[tuple[bytes, bytes]]) -> tuple[bytes | None, str | None, int | None]:

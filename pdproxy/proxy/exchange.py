@@ -33,8 +33,12 @@ class Exchange:
         self._echo_id = echo_id
         self.status = 0
         self.started = False
+        # complete: the client holds a whole answer (a later hang-up is not an abandonment);
+        # ended: the last body message went out (nothing more may be sent).
         self.complete = False
+        self.ended = False
         self.client_gone = False
+        self.body_read = False
         self.request_id = ""  # the tagged id, once a pair was chosen (for logs)
         self._streaming = False
         self._watcher: asyncio.Task[None] | None = None
@@ -51,6 +55,7 @@ class Exchange:
         if len(body) > limit:
             raise _too_large(limit)
         if not message.get("more_body", False):
+            self.body_read = True
             return body
         parts = [body]
         size = len(body)
@@ -63,6 +68,7 @@ class Exchange:
             if size > limit:
                 raise _too_large(limit)
             parts.append(chunk)
+        self.body_read = True
         return b"".join(parts)
 
     def watch_disconnect(self) -> None:
@@ -117,7 +123,7 @@ class Exchange:
         await self._send({"type": "http.response.body", "body": data, "more_body": True})
 
     async def end_stream(self, data: bytes = b"") -> None:
-        self.complete = True
+        self.complete = self.ended = True
         await self._send({"type": "http.response.body", "body": data, "more_body": False})
 
     async def whole(
@@ -132,18 +138,22 @@ class Exchange:
         headers = self._headers(content_type, extra)
         headers.append((b"content-length", str(len(body)).encode()))
         await self._send({"type": "http.response.start", "status": status, "headers": headers})
-        self.complete = True
+        self.complete = self.ended = True
         await self._send({"type": "http.response.body", "body": body, "more_body": False})
 
     async def fail(self, error: ProxyError) -> None:
         """Answer with an OpenAI-shaped error, or end a stream already under way with an SSE
-        error event and [DONE] (its status can no longer change)."""
-        if self.complete:
+        error event and [DONE] (its status can no longer change). A stream whose [DONE] already
+        went out is just closed properly: the client has its whole answer."""
+        if self.ended:
             return
         if self._streaming:
-            event = b"data: " + error_body(error.status, error.message, code=error.code) + b"\n\n"
+            tail = b""
+            if not self.complete:
+                error_event = error_body(error.status, error.message, code=error.code)
+                tail = b"data: " + error_event + b"\n\n" + SSE_DONE
             with contextlib.suppress(Exception):
-                await self.end_stream(event + SSE_DONE)
+                await self.end_stream(tail)
             return
         if self.started:  # headers out, body not: nothing valid can follow
             return

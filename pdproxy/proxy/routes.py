@@ -85,6 +85,8 @@ def install_routes(api: FastAPI, app: PdproxyApp) -> None:
                     )
             except (TimeoutError, UpstreamError) as exc:
                 failures.append(f"{instance.name}: {exc or 'timeout'}")
+                if isinstance(exc, UpstreamError) and exc.kind == "saturated":
+                    break  # the proxy's own congestion: another instance would wait as long
                 continue
             if reply.status == 200:
                 return Response(reply.body, 200, media_type="application/json")

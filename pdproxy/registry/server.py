@@ -25,9 +25,10 @@ log = logging.getLogger("pdproxy.registry")
 # announcements must not starve request handling (pyzmq returns ready frames without yielding).
 _BATCH = 64
 _MAX_LOGGED_SENDERS = 1024
-_QUEUED_FRAMES_PER_PEER = 256
+_QUEUED_MESSAGES_PER_PEER = 256
 # A registry message is [identity, payload]; anything past that is counted, never kept.
 _FRAMES_KEPT = 2
+_DRAIN_BATCH = 1024
 
 
 class RejectionLog:
@@ -50,18 +51,23 @@ class RejectionLog:
         if key in self._seen:
             self._seen.move_to_end(key)
             return False
+        self.flush(now)
+        if self._logged >= self._burst:
+            self.suppressed += 1  # not remembered: it may be logged once the budget allows
+            return False
+        self._logged += 1
         self._seen[key] = None
         if len(self._seen) > self._capacity:
             self._seen.popitem(last=False)
-        if now - self._window_start >= self._window:
-            if self.suppressed:
-                log.warning("registry: %d more rejections were not logged", self.suppressed)
-            self._window_start, self._logged, self.suppressed = now, 0, 0
-        if self._logged >= self._burst:
-            self.suppressed += 1
-            return False
-        self._logged += 1
         return True
+
+    def flush(self, now: float) -> None:
+        """Start a new window once the old one is over, reporting what it left unlogged."""
+        if now - self._window_start < self._window:
+            return
+        if self.suppressed:
+            log.warning("registry: %d more rejections were not logged", self.suppressed)
+        self._window_start, self._logged, self.suppressed = now, 0, 0
 
 
 class RegistryServer:
@@ -91,9 +97,10 @@ class RegistryServer:
         sock = self._context.socket(zmq.ROUTER)
         sock.setsockopt(zmq.LINGER, 0)
         sock.setsockopt(zmq.MAXMSGSIZE, self._settings.registry_max_message_bytes)
-        # Frames queued per peer before ZMQ drops more: with MAXMSGSIZE this bounds what one
-        # sender can make us hold (256 x 64 KiB by default).
-        sock.setsockopt(zmq.RCVHWM, _QUEUED_FRAMES_PER_PEER)
+        # Messages queued per peer before ZMQ drops more. This bounds ordinary floods; it does
+        # not bound one huge multipart message (libzmq holds it whole): only network isolation
+        # or authenticated transport can.
+        sock.setsockopt(zmq.RCVHWM, _QUEUED_MESSAGES_PER_PEER)
         try:
             sock.bind(self._settings.registry_bind)
         except zmq.ZMQError as exc:
@@ -124,9 +131,10 @@ class RegistryServer:
             self._context = None
 
     async def _receive_loop(self, sock: zmq.asyncio.Socket) -> None:
+        plain: zmq.Socket[bytes] = zmq.Socket.shadow(sock.underlying)
         handled = 0
         while True:
-            frames = await _receive_message(sock)
+            frames = await _receive_message(sock, plain)
             try:
                 self.handle(frames)
             except Exception:  # a bug here must not kill the registry
@@ -181,7 +189,9 @@ class RegistryServer:
             self._metrics.registry_instances.labels(role.value).set(self._table.count(role))
 
     def sweep(self) -> list[Instance]:
-        expired = self._table.expire(self._clock())
+        now = self._clock()
+        self._rejections.flush(now)
+        expired = self._table.expire(now)
         for instance in expired:
             log.warning(
                 "registry: %s %s expired (no message for %.1fs)",
@@ -201,20 +211,25 @@ class RegistryServer:
                 log.exception("registry: sweep failed")
 
 
-async def _receive_message(sock: zmq.asyncio.Socket) -> list[bytes]:
-    """One multipart message, frame by frame: only the first frames are copied out, so a
-    message of thousands of frames costs nothing but a count."""
-    kept: list[bytes] = []
+async def _receive_message(sock: zmq.asyncio.Socket, plain: zmq.Socket[bytes]) -> list[bytes]:
+    """One multipart message. Only the first frames are copied out. libzmq hands over a
+    multipart message only once all of it arrived, so the rest is drained without awaiting
+    (through `plain`, a synchronous shadow of the same socket: an asyncio recv per frame costs
+    tens of microseconds), yielding now and then so a huge message cannot stall HTTP."""
+    first = await sock.recv(copy=False)
+    kept = [first.bytes]
+    more = first.more
     extra = 0
-    while True:
-        frame = await sock.recv(copy=False)
+    while more:
+        frame = plain.recv(zmq.NOBLOCK, copy=False)
+        more = frame.more
         if len(kept) < _FRAMES_KEPT:
             kept.append(frame.bytes)
         else:
             extra += 1
-        if not frame.more:
-            break
-    # Padding with empty frames keeps the count visible to `handle` without the payloads.
+            if extra % _DRAIN_BATCH == 0:
+                await asyncio.sleep(0)
+    # One empty frame stands for all the extra ones: `handle` sees the count, not the payloads.
     return kept + [b""] * min(extra, 1)
 
 

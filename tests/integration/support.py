@@ -2,10 +2,13 @@
 
 from __future__ import annotations
 
+import asyncio
 import http.client
 import json
 import socket
+import threading
 import time
+from collections.abc import Awaitable, Callable
 from dataclasses import dataclass
 from typing import Any
 from urllib.parse import urlsplit
@@ -105,3 +108,61 @@ def read_until(sock: socket.socket, marker: bytes, timeout: float) -> bytes:
             break
         data += chunk
     return data
+
+
+class ScriptedUpstream:
+    """A tiny HTTP server on a thread of its own, answering with exactly the bytes a test
+    scripts, to stand in for an instance that misbehaves in ways a fake worker cannot."""
+
+    def __init__(self, script: Callable[[asyncio.StreamWriter], Awaitable[None]]) -> None:
+        self._script = script
+        self._loop = asyncio.new_event_loop()
+        self._server: asyncio.Server | None = None
+        self._thread = threading.Thread(target=self._loop.run_forever, daemon=True)
+        self.port = 0
+
+    def __enter__(self) -> ScriptedUpstream:
+        async def serve(reader: asyncio.StreamReader, writer: asyncio.StreamWriter) -> None:
+            try:
+                head = await reader.readuntil(b"\r\n\r\n")
+                length = 0
+                for line in head.split(b"\r\n"):
+                    if line.lower().startswith(b"content-length:"):
+                        length = int(line.split(b":", 1)[1])
+                await reader.readexactly(length)
+                await self._script(writer)
+            except (ConnectionError, asyncio.IncompleteReadError):
+                pass
+            finally:
+                writer.close()
+
+        async def start() -> asyncio.Server:
+            return await asyncio.start_server(serve, "127.0.0.1", 0)
+
+        self._thread.start()
+        self._server = asyncio.run_coroutine_threadsafe(start(), self._loop).result(10)
+        self.port = self._server.sockets[0].getsockname()[1]
+        return self
+
+    def __exit__(self, *exc: object) -> None:
+        async def shutdown() -> None:
+            if self._server is not None:
+                self._server.close()
+            tasks = [t for t in asyncio.all_tasks() if t is not asyncio.current_task()]
+            for task in tasks:
+                task.cancel()
+            await asyncio.gather(*tasks, return_exceptions=True)
+
+        asyncio.run_coroutine_threadsafe(shutdown(), self._loop).result(10)
+        self._loop.call_soon_threadsafe(self._loop.stop)
+        self._thread.join(10)
+        self._loop.close()
+
+
+def json_answer(body: bytes) -> bytes:
+    return (
+        b"HTTP/1.1 200 OK\r\nContent-Type: application/json\r\nContent-Length: "
+        + str(len(body)).encode()
+        + b"\r\n\r\n"
+        + body
+    )

@@ -2,10 +2,13 @@
 
 from __future__ import annotations
 
+import asyncio
 import signal
+import socket
 import time
 from collections.abc import Iterator
 from typing import Any
+from urllib.parse import urlsplit
 
 import pytest
 
@@ -15,6 +18,8 @@ from tests.conftest import FleetFactory
 from tests.integration import support
 from tests.integration.support import (
     Answer,
+    ScriptedUpstream,
+    json_answer,
     metric_value,
     open_raw_request,
     post_json,
@@ -50,6 +55,8 @@ def fleet(tmp_path_factory: pytest.TempPathFactory) -> Iterator[LocalFleet]:
         proxy_args=[
             "--max-body-bytes",
             "4096",
+            "--connect-timeout",
+            "0.5",
             "--prefill-timeout",
             "1",
             "--decode-timeout",
@@ -167,11 +174,29 @@ def test_non_streaming_decode_timeout_is_502(fleet: LocalFleet) -> None:
 
 
 def test_request_timeout_is_504(fleet_factory: FleetFactory) -> None:
-    fleet = fleet_factory([WorkerSpec("P"), WorkerSpec("D")], proxy_args=["--request-timeout", "1"])
+    fleet = fleet_factory(
+        [WorkerSpec("P"), WorkerSpec("D")],
+        proxy_args=["--request-timeout", "1", "--connect-timeout", "0.5"],
+    )
     set_behaviour(fleet.role("D")[0], delay_ms=3000)
     answer = post_json(fleet.proxy_url + "/v1/completions", GOOD)
     assert_openai_error(answer, 504, "longer than 1s")
     assert metric_value(fleet.proxy_url, "pdproxy_inflight_requests") == 0
+
+
+def test_slow_upload_is_408(fleet_factory: FleetFactory) -> None:
+    fleet = fleet_factory(
+        [WorkerSpec("P"), WorkerSpec("D")],
+        proxy_args=["--request-timeout", "1", "--connect-timeout", "0.5"],
+    )
+    parts = urlsplit(fleet.proxy_url)
+    with socket.create_connection((parts.hostname, parts.port), timeout=10) as sock:
+        sock.sendall(
+            b"POST /v1/completions HTTP/1.1\r\nHost: x\r\nContent-Type: application/json\r\n"
+            b'Content-Length: 100\r\n\r\n{"model": '
+        )  # ... and the rest never comes
+        head = read_until(sock, b"\r\n\r\n", timeout=8)
+    assert head.startswith(b"HTTP/1.1 408 ")
 
 
 def test_prefill_4xx_passes_through(fleet: LocalFleet) -> None:
@@ -284,3 +309,37 @@ def test_saturated_proxy_is_503_not_an_instance_failure(fleet_factory: FleetFact
         )
         == 1
     )
+
+
+def test_a_failure_after_done_still_ends_the_stream_cleanly(fleet_factory: FleetFactory) -> None:
+    async def prefill(writer: asyncio.StreamWriter) -> None:
+        writer.write(json_answer(b'{"id": "cmpl-x", "choices": []}'))
+        await writer.drain()
+
+    async def decode(writer: asyncio.StreamWriter) -> None:
+        writer.write(
+            b"HTTP/1.1 200 OK\r\nContent-Type: text/event-stream\r\n"
+            b"Transfer-Encoding: chunked\r\n\r\n"
+        )
+        for event in (b'data: {"choices": [{"text": "hi"}]}\n\n', b"data: [DONE]\n\n"):
+            writer.write(b"%x\r\n%s\r\n" % (len(event), event))
+        await writer.drain()
+        await asyncio.sleep(5)  # ... and never sends the closing chunk
+
+    with ScriptedUpstream(prefill) as p, ScriptedUpstream(decode) as d:
+        fleet = fleet_factory(
+            [],
+            proxy_args=[
+                "--prefill",
+                f"http=127.0.0.1:{p.port},zmq=127.0.0.1:1",
+                "--decode",
+                f"http=127.0.0.1:{d.port},zmq=127.0.0.1:2",
+                "--stream-idle-timeout",
+                "1",
+            ],
+        )
+        # http.client raises IncompleteRead on a chunked body that is cut short.
+        answer = post_json(fleet.proxy_url + "/v1/completions", dict(GOOD, stream=True))
+    assert answer.status == 200
+    assert answer.body.endswith(b"data: [DONE]\n\n")
+    assert b'"error"' not in answer.body  # the client already had its whole answer

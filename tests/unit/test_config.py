@@ -285,6 +285,18 @@ def test_static_from_env_allows_spaces_inside_a_spec() -> None:
     assert load_settings(None, environ={"PDPROXY_PREFILL": spaced}).prefill == [SP1]
 
 
+def test_leg_timeouts_must_exceed_the_connect_timeout() -> None:
+    for flag in (
+        "--prefill-timeout",
+        "--decode-first-byte-timeout",
+        "--decode-timeout",
+        "--request-timeout",
+    ):
+        with pytest.raises(ConfigError, match="longer than connect_timeout"):
+            load(["--connect-timeout", "5", flag, "5"])
+    assert load(["--connect-timeout", "0.5", "--prefill-timeout", "1"]).prefill_timeout == 1.0
+
+
 def test_static_model_may_not_be_empty() -> None:
     with pytest.raises(ConfigError, match="prefill"):
         load(["--prefill", f"{P1},model="])

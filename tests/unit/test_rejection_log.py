@@ -31,3 +31,21 @@ def test_memory_is_bounded() -> None:
     assert len(log._seen) == 10
     # The oldest were forgotten, so they may be logged again.
     assert log.should_log(b"s0", Reason.FRAMING, 2000.0)
+
+
+def test_a_suppressed_sender_is_logged_when_the_budget_allows() -> None:
+    log = RejectionLog(burst=1, window=10.0)
+    assert log.should_log(b"first", Reason.FRAMING, 0.0)
+    assert not log.should_log(b"second", Reason.FRAMING, 1.0)  # over budget: not remembered
+    assert log.should_log(b"second", Reason.FRAMING, 10.5)  # next window: logged after all
+
+
+def test_flush_reports_and_resets_after_the_window() -> None:
+    log = RejectionLog(burst=1, window=10.0)
+    log.should_log(b"a", Reason.FRAMING, 0.0)
+    log.should_log(b"b", Reason.FRAMING, 0.0)
+    assert log.suppressed == 1
+    log.flush(5.0)
+    assert log.suppressed == 1  # the window is not over yet
+    log.flush(10.0)
+    assert log.suppressed == 0

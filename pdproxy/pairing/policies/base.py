@@ -10,7 +10,7 @@ from pdproxy.registry.table import Instance
 
 class Policy(Protocol):
     """Pick one of `candidates` (never empty). `ticket` increases by one per decision of the
-    caller's role, so stateless policies can still rotate; policies do no I/O."""
+    caller's role, so stateless policies can still take turns; policies do no I/O."""
 
     name: str
 
