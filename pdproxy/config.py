@@ -10,7 +10,7 @@ from __future__ import annotations
 import argparse
 import json
 import os
-from collections.abc import Mapping, Sequence
+from collections.abc import Mapping
 from pathlib import Path
 from typing import Any, Literal
 
@@ -243,7 +243,3 @@ def _describe(exc: ValidationError) -> str:
         where = ".".join(str(part) for part in error["loc"]) or "settings"
         lines.append(f"{where}: {error['msg']}")
     return "invalid settings: " + "; ".join(lines)
-
-
-def settings_summary(settings: Settings, fields: Sequence[str]) -> str:
-    return ", ".join(f"{name}={getattr(settings, name)}" for name in fields)

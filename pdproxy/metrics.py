@@ -38,7 +38,9 @@ _LATENCY_BUCKETS = (
 )
 
 CONTENT_TYPE = CONTENT_TYPE_LATEST
-LEG_ROLES = ("prefill", "decode")
+PREFILL = "prefill"
+DECODE = "decode"
+LEG_ROLES = (PREFILL, DECODE)  # the role label of in-flight legs and upstream errors
 
 
 class Metrics:

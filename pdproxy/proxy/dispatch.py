@@ -9,7 +9,6 @@ from __future__ import annotations
 
 import asyncio
 import contextlib
-import logging
 import os
 import time
 from collections.abc import Callable, Iterator
@@ -17,7 +16,7 @@ from dataclasses import dataclass
 
 from pdproxy.config import Settings
 from pdproxy.ids import build_request_id
-from pdproxy.metrics import Metrics
+from pdproxy.metrics import DECODE, PREFILL, Metrics
 from pdproxy.pairing.planner import NoPair, Pair, Planner
 from pdproxy.proxy.errors import ProxyError
 from pdproxy.proxy.exchange import Exchange
@@ -25,10 +24,6 @@ from pdproxy.proxy.request import CompletionRequest
 from pdproxy.proxy.upstream import Reply, Upstream, UpstreamError
 from pdproxy.registry.table import Instance, RegistryTable
 
-log = logging.getLogger("pdproxy.dispatch")
-
-PREFILL = "prefill"
-DECODE = "decode"
 _ERROR_SNIPPET = 300
 
 

@@ -72,7 +72,6 @@ class _Connection(asyncio.Protocol):
         self._parser = httptools.HttpResponseParser(self)
         self.status = 0
         self.content_type = "application/json"
-        self._header_name = b""
         self._headers_done = False
         self._complete = False
         self._until_close = True  # neither Content-Length nor chunked: body ends at EOF

@@ -3,10 +3,9 @@ process. Used by the demo and the tests."""
 
 from __future__ import annotations
 
-import contextlib
 import json
 import urllib.request
-from collections.abc import Iterator, Sequence
+from collections.abc import Sequence
 from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any, Literal
@@ -24,6 +23,7 @@ from pdproxy.testing.processes import (
 
 Announce = Literal["v0", "v1", "static"]
 START_TIMEOUT = 30.0
+COMPLETION_PATHS = ("/v1/completions", "/v1/chat/completions")
 
 
 @dataclass(frozen=True)
@@ -91,6 +91,11 @@ class LocalFleet:
 
     def role(self, role: str) -> list[Worker]:
         return [w for w in self.workers if w.spec.role == role]
+
+    def completion_requests(self, role: str | None = None) -> list[dict[str, Any]]:
+        """The completion legs the fake workers of `role` (default: all) recorded."""
+        workers = self.workers if role is None else self.role(role)
+        return [r for w in workers for r in w.requests() if r["path"] in COMPLETION_PATHS]
 
     def start(self) -> LocalFleet:
         self.log_dir.mkdir(parents=True, exist_ok=True)
@@ -189,14 +194,3 @@ class LocalFleet:
             request = urllib.request.Request(worker.url + "/_fake/reset", data=b"{}", method="POST")
             with urllib.request.urlopen(request, timeout=5):
                 pass
-
-
-@contextlib.contextmanager
-def running_fleet(
-    log_dir: Path, workers: Sequence[WorkerSpec], proxy_args: Sequence[str] = ()
-) -> Iterator[LocalFleet]:
-    fleet = LocalFleet(log_dir, workers, proxy_args).start()
-    try:
-        yield fleet
-    finally:
-        fleet.stop()
