@@ -49,15 +49,6 @@ def _by_request_id(records: list[dict[str, Any]], request_id: str) -> list[dict[
     return [r for r in records if r["headers"].get("x-request-id") == request_id]
 
 
-def _completion_requests(fleet: LocalFleet, role: str) -> list[dict[str, Any]]:
-    return [
-        r
-        for w in fleet.role(role)
-        for r in w.requests()
-        if r["path"] in ("/v1/completions", "/v1/chat/completions")
-    ]
-
-
 def test_completion_non_streaming(fleet: LocalFleet, client: openai.OpenAI) -> None:
     completion = client.completions.create(model=MODEL, prompt="the quick brown fox", max_tokens=7)
     tagged = parse_request_id(completion.id)
@@ -141,8 +132,8 @@ def test_prefill_leg_body_and_headers(fleet: LocalFleet) -> None:
     tagged = parse_request_id(request_id)
     assert tagged is not None
 
-    prefill = _by_request_id(_completion_requests(fleet, "P"), request_id)
-    decode = _by_request_id(_completion_requests(fleet, "D"), request_id)
+    prefill = _by_request_id(fleet.completion_requests("P"), request_id)
+    decode = _by_request_id(fleet.completion_requests("D"), request_id)
     assert len(prefill) == 1 and len(decode) == 1
     expected_prefill = dict(body, max_tokens=1, min_tokens=1, stream=False)
     del expected_prefill["stream_options"]
@@ -168,7 +159,7 @@ def test_chat_prefill_pins_max_completion_tokens(fleet: LocalFleet) -> None:
     answer = post_json(fleet.proxy_url + "/v1/chat/completions", body)
     assert answer.status == 200, answer.body
     request_id = answer.json()["id"].removeprefix("chatcmpl-")
-    (prefill,) = _by_request_id(_completion_requests(fleet, "P"), request_id)
+    (prefill,) = _by_request_id(fleet.completion_requests("P"), request_id)
     assert prefill["body"] == dict(body, max_tokens=1, max_completion_tokens=1, stream=False)
     assert answer.json()["usage"]["completion_tokens"] == 30
 
@@ -214,7 +205,7 @@ def test_round_robin_spreads_evenly_under_concurrency(fleet: LocalFleet) -> None
     assert sorted(per_worker.values()) == [50, 50, 50, 50], per_worker
     # And every (P, D) pair carried KV: 25 requests each, none left out.
     per_pair: Counter[tuple[str, str]] = Counter()
-    for record in _completion_requests(fleet, "P"):
+    for record in fleet.completion_requests("P"):
         tagged = parse_request_id(record["headers"]["x-request-id"])
         assert tagged is not None
         per_pair[(str(tagged.prefill), str(tagged.decode))] += 1
@@ -303,9 +294,9 @@ def test_client_disconnect_during_prefill_cancels_it(fleet_factory: FleetFactory
     )
     prefill, decode = fleet.role("P")[0], fleet.role("D")[0]
     deadline = time.monotonic() + 5
-    while not _completion_requests(fleet, "P") and time.monotonic() < deadline:
+    while not fleet.completion_requests("P") and time.monotonic() < deadline:
         time.sleep(0.02)
-    assert _completion_requests(fleet, "P"), "the prefill leg never started"
+    assert fleet.completion_requests("P"), "the prefill leg never started"
     hung_up = time.monotonic()
     sock.close()
     aborted: list[dict[str, Any]] = []
@@ -314,7 +305,7 @@ def test_client_disconnect_during_prefill_cancels_it(fleet_factory: FleetFactory
         time.sleep(0.05)
     assert len(aborted) == 1 and aborted[0]["time"] - hung_up < 1.0
     time.sleep(3.5)  # past the prefill latency: a decode leg would have been sent by now
-    assert _completion_requests(fleet, "D") == []
+    assert fleet.completion_requests("D") == []
     assert decode.events()["kv_received"] == []
     assert (
         metric_value(

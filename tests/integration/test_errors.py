@@ -108,7 +108,7 @@ def test_body_over_limit_is_413(fleet: LocalFleet) -> None:
     big = dict(GOOD, prompt="x" * 5000)
     answer = post_json(fleet.proxy_url + "/v1/completions", big)
     assert_openai_error(answer, 413, "4096")
-    assert not _completion_requests(fleet, "P") and not _completion_requests(fleet, "D")
+    assert not fleet.completion_requests("P") and not fleet.completion_requests("D")
 
 
 def test_chunked_body_over_limit_is_413(fleet: LocalFleet) -> None:
@@ -140,7 +140,7 @@ def test_prefill_5xx_is_502_naming_role_and_instance(fleet: LocalFleet) -> None:
     set_behaviour(prefill, status=500)
     answer = post_json(fleet.proxy_url + "/v1/completions", GOOD)
     assert_openai_error(answer, 502, "prefill", prefill.http_address, "500")
-    assert not _decode_completion_requests(fleet), "decode must not be sent after a failed prefill"
+    assert not fleet.completion_requests("D"), "decode must not be sent after a failed prefill"
 
 
 def test_decode_5xx_is_502_naming_role_and_instance(fleet: LocalFleet) -> None:
@@ -204,7 +204,7 @@ def test_prefill_4xx_passes_through(fleet: LocalFleet) -> None:
     assert answer.status == 400
     error = answer.json()["error"]
     assert error["type"] == "BadRequestError" and "temperature" in error["message"]
-    assert not _decode_completion_requests(fleet)
+    assert not fleet.completion_requests("D")
 
 
 def test_decode_4xx_passes_through(fleet: LocalFleet) -> None:
@@ -271,19 +271,6 @@ def test_decode_dying_mid_stream_ends_with_sse_error(fleet_factory: FleetFactory
     events = [e for e in (head + rest).split(b"\n\n") if b'"error"' in e]
     assert len(events) == 1, rest[-600:]
     assert b"decode instance" in events[0]
-
-
-def _completion_requests(fleet: LocalFleet, role: str) -> list[dict[str, Any]]:
-    return [
-        r
-        for w in fleet.role(role)
-        for r in w.requests()
-        if r["path"] in ("/v1/completions", "/v1/chat/completions")
-    ]
-
-
-def _decode_completion_requests(fleet: LocalFleet) -> list[dict[str, Any]]:
-    return _completion_requests(fleet, "D")
 
 
 def test_saturated_proxy_is_503_not_an_instance_failure(fleet_factory: FleetFactory) -> None:

@@ -4,7 +4,6 @@
 from __future__ import annotations
 
 import signal
-from typing import Any
 
 from pdproxy.testing.fleet import WorkerSpec
 from pdproxy.testing.processes import http_get, http_json, wait_until
@@ -12,10 +11,6 @@ from tests.conftest import FleetFactory
 from tests.integration.support import post_json
 
 GOOD = {"model": "fake-model", "prompt": "hello", "max_tokens": 2}
-
-
-def _legs(fleet: Any) -> list[dict[str, Any]]:
-    return [r for w in fleet.workers for r in w.requests() if r["path"] == "/v1/completions"]
 
 
 def test_models_from_a_decode_when_only_v0_instances(fleet_factory: FleetFactory) -> None:
@@ -40,7 +35,7 @@ def test_upstream_key_replaces_the_clients_authorization(fleet_factory: FleetFac
         fleet.proxy_url + "/v1/completions", GOOD, headers={"Authorization": "Bearer sk-user"}
     )
     assert answer.status == 200
-    legs = _legs(fleet)
+    legs = fleet.completion_requests()
     assert len(legs) == 2
     assert all(leg["headers"]["authorization"] == "Bearer sk-fleet" for leg in legs)
 
@@ -48,7 +43,7 @@ def test_upstream_key_replaces_the_clients_authorization(fleet_factory: FleetFac
 def test_no_authorization_is_invented(fleet_factory: FleetFactory) -> None:
     fleet = fleet_factory([WorkerSpec("P"), WorkerSpec("D")])
     assert post_json(fleet.proxy_url + "/v1/completions", GOOD).status == 200
-    assert all("authorization" not in leg["headers"] for leg in _legs(fleet))
+    assert all("authorization" not in leg["headers"] for leg in fleet.completion_requests())
 
 
 def test_instances_show_every_source(fleet_factory: FleetFactory) -> None:
