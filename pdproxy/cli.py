@@ -1,4 +1,4 @@
-"""`pdproxy serve | demo | fake-worker`."""
+"""`pdproxy serve | announce | demo | fake-worker`."""
 
 from __future__ import annotations
 
@@ -59,6 +59,7 @@ def _run_serve(args: argparse.Namespace) -> int:
 
 def build_parser() -> argparse.ArgumentParser:
     from pdproxy.testing import demo, fake_worker
+    from pdproxy.worker import announce
 
     parser = argparse.ArgumentParser(
         prog="pdproxy",
@@ -75,6 +76,7 @@ def build_parser() -> argparse.ArgumentParser:
     )
     add_settings_arguments(serve_parser)
     serve_parser.set_defaults(func=_run_serve)
+    announce.add_cli(commands)
     demo.add_cli(commands)
     fake_worker.add_cli(commands)
     return parser

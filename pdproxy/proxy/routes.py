@@ -122,6 +122,7 @@ def _describe(entry: Entry, now: float) -> dict[str, Any]:
         "connector": None if instance.connector is None else instance.connector.value,
         "geometry": None if geometry is None else _fields(geometry),
         "load": None if load is None else _fields(load),
+        "healthy": instance.healthy,
         "age_seconds": round(now - entry.first_seen, 3),
         "last_seen_seconds_ago": round(now - entry.last_seen, 3),
     }

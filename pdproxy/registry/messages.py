@@ -85,6 +85,8 @@ class Announcement:
     connector: Connector | None = None
     geometry: Geometry | None = None
     load: Load | None = None
+    # False when the worker's sidecar cannot reach its server: keep it known, route nothing.
+    healthy: bool = True
 
 
 @dataclass(frozen=True, slots=True)
@@ -146,6 +148,7 @@ def _announcement(payload: dict[Any, Any], version: int) -> Announcement:
         connector=_connector(payload.get("connector")),
         geometry=_geometry(payload.get("geometry")),
         load=_load(payload.get("load")),
+        healthy=_healthy(payload.get("healthy", True)),
     )
 
 
@@ -214,6 +217,12 @@ def _geometry(value: object) -> Geometry | None:
             raise Rejected(Reason.BAD_GEOMETRY, "geometry.kv_layout must be 'NHD' or 'HND'")
         fields["kv_layout"] = layout
     return Geometry(**fields)
+
+
+def _healthy(value: object) -> bool:
+    if not isinstance(value, bool):
+        raise Rejected(Reason.WRONG_TYPE, "'healthy' must be a boolean")
+    return value
 
 
 def _load(value: object) -> Load | None:

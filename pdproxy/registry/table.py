@@ -38,6 +38,7 @@ class Instance:
     connector: Connector | None = None
     geometry: Geometry | None = None
     load: Load | None = None
+    healthy: bool = True
 
     @property
     def name(self) -> str:
@@ -65,7 +66,8 @@ class Entry:
 
 @dataclass(frozen=True, slots=True)
 class Snapshot:
-    """An immutable view of the fleet at one moment: what the planner decides on."""
+    """An immutable view of the fleet at one moment: what the planner decides on. Instances
+    announced unhealthy are left out: they stay registered but receive no requests."""
 
     version: int
     prefills: tuple[Instance, ...]
@@ -82,6 +84,7 @@ def instance_from(announcement: Announcement) -> Instance:
         connector=announcement.connector,
         geometry=announcement.geometry,
         load=announcement.load,
+        healthy=announcement.healthy,
     )
 
 
@@ -203,7 +206,7 @@ class RegistryTable:
         ):
             self._changed()
         if self._snapshot is None:
-            instances = [entry.instance for entry in self._entries.values()]
+            instances = [e.instance for e in self._entries.values() if e.instance.healthy]
             self._snapshot = Snapshot(
                 version=self._version,
                 prefills=tuple(i for i in instances if i.role is Role.PREFILL),

@@ -179,11 +179,16 @@ class LocalFleet:
             self.processes(),
         )
 
-    def registered(self) -> set[str]:
+    def instances(self) -> list[dict[str, Any]]:
+        """What the proxy's /v1/instances lists now (nothing if it does not answer)."""
         status, body = http_get(self.proxy_url + "/v1/instances")
         if status != 200:
-            return set()
-        return {item["http_address"] for item in json.loads(body)["instances"]}
+            return []
+        listed: list[dict[str, Any]] = json.loads(body)["instances"]
+        return listed
+
+    def registered(self) -> set[str]:
+        return {item["http_address"] for item in self.instances()}
 
     def stop(self) -> None:
         for process in reversed(self.processes()):

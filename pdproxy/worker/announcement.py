@@ -1,0 +1,93 @@
+"""The v1 registry messages a worker sends (DESIGN.md section 3), built as plain maps. Pure.
+
+The proxy's decoder (pdproxy.registry.messages) is the other half of this contract; the tests
+round-trip every message built here through it.
+"""
+
+from __future__ import annotations
+
+from dataclasses import asdict, dataclass
+from typing import Any, Literal
+
+WorkerRole = Literal["P", "D"]
+
+
+@dataclass(frozen=True, slots=True)
+class WorkerGeometry:
+    """KV-cache geometry as announced; a None field is one the worker could not determine."""
+
+    tp_size: int | None = None
+    block_size: int | None = None
+    num_layers: int | None = None
+    num_kv_heads: int | None = None  # total over all TP ranks
+    head_dim: int | None = None
+    kv_dtype: str | None = None
+    is_mla: bool | None = None
+    kv_layout: str | None = None  # "NHD" or "HND"
+
+    def as_map(self) -> dict[str, Any]:
+        return {key: value for key, value in asdict(self).items() if value is not None}
+
+
+@dataclass(frozen=True, slots=True)
+class WorkerLoad:
+    running: int | None = None
+    waiting: int | None = None
+    kv_usage: float | None = None  # fraction of the KV cache in use, 0..1
+
+    def as_map(self) -> dict[str, Any]:
+        return {key: value for key, value in asdict(self).items() if value is not None}
+
+
+@dataclass(frozen=True, slots=True)
+class WorkerIdentity:
+    """Who announces: fixed for the life of the worker."""
+
+    role: WorkerRole
+    http_address: str
+    zmq_address: str
+    model: str | None = None
+    connector: str | None = None
+    geometry: WorkerGeometry | None = None
+
+
+def announce_message(
+    identity: WorkerIdentity, load: WorkerLoad | None = None, healthy: bool = True
+) -> dict[str, Any]:
+    message: dict[str, Any] = {
+        "v": 1,
+        "op": "announce",
+        "type": identity.role,
+        "http_address": identity.http_address,
+        "zmq_address": identity.zmq_address,
+    }
+    if identity.model is not None:
+        message["model"] = identity.model
+    if identity.connector is not None:
+        message["connector"] = identity.connector
+    if identity.geometry is not None:
+        message["geometry"] = identity.geometry.as_map()
+    if load is not None:
+        message["load"] = load.as_map()
+    if not healthy:
+        message["healthy"] = False
+    return message
+
+
+def leave_message(identity: WorkerIdentity) -> dict[str, Any]:
+    return {
+        "v": 1,
+        "op": "leave",
+        "type": identity.role,
+        "http_address": identity.http_address,
+        "zmq_address": identity.zmq_address,
+    }
+
+
+def v0_message(identity: WorkerIdentity) -> dict[str, Any]:
+    """Byte for byte what stock vLLM's P2pNcclEngine sends."""
+    return {
+        "type": identity.role,
+        "http_address": identity.http_address,
+        "zmq_address": identity.zmq_address,
+    }

@@ -1,0 +1,82 @@
+"""Announce one worker to the registry every period, from a background thread.
+
+The thread never blocks on the registry (see RegistryClient) and every wait is bounded by the
+period, so stopping takes at most one period plus the ZMQ linger.
+"""
+
+from __future__ import annotations
+
+import logging
+import threading
+from collections.abc import Callable
+
+from pdproxy.worker.announcement import (
+    WorkerIdentity,
+    WorkerLoad,
+    announce_message,
+    leave_message,
+)
+from pdproxy.worker.registry_client import RegistryClient
+
+log = logging.getLogger("pdproxy.worker")
+
+DEFAULT_INTERVAL_S = 3.0  # what stock vLLM's P2pNcclEngine uses
+
+
+class LoadSample:
+    """What a load source reports each period: the load (None if unknown) and whether the
+    instance can serve at all."""
+
+    __slots__ = ("healthy", "load")
+
+    def __init__(self, load: WorkerLoad | None, healthy: bool = True) -> None:
+        self.load = load
+        self.healthy = healthy
+
+
+class Announcer:
+    def __init__(
+        self,
+        client: RegistryClient,
+        identity: WorkerIdentity,
+        sample: Callable[[], LoadSample],
+        interval_s: float = DEFAULT_INTERVAL_S,
+    ) -> None:
+        if interval_s <= 0:
+            raise ValueError("the announce interval must be positive")
+        self._client = client
+        self._identity = identity
+        self._sample = sample
+        self._interval = interval_s
+        self._stop = threading.Event()
+        self._thread: threading.Thread | None = None
+
+    def announce_once(self) -> bool:
+        try:
+            sample = self._sample()
+        except Exception as exc:  # a failing load source must not silence the announcements
+            log.warning("pdproxy announcer: load source failed: %r", exc)
+            sample = LoadSample(None, healthy=False)
+        return self._client.send(announce_message(self._identity, sample.load, sample.healthy))
+
+    def run(self) -> None:
+        """Announce until stop(); then say goodbye."""
+        while not self._stop.is_set():
+            self.announce_once()
+            self._stop.wait(self._interval)
+        self._client.send(leave_message(self._identity))
+
+    def start(self) -> None:
+        self._thread = threading.Thread(target=self.run, name="pdproxy-announcer", daemon=True)
+        self._thread.start()
+
+    def request_stop(self) -> None:
+        """Make run() send `leave` and return within one period (safe from a signal handler)."""
+        self._stop.set()
+
+    def stop(self, timeout_s: float = 2.0) -> None:
+        """Stop the background thread started by start(), then close the client."""
+        self._stop.set()
+        if self._thread is not None:
+            self._thread.join(timeout_s)
+        self._client.close()
