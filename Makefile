@@ -4,7 +4,7 @@ VENV ?= .venv
 BIN := $(VENV)/bin
 STAMP := $(VENV)/.pdproxy-installed
 
-.PHONY: demo test lint typecheck unit integration bench clean
+.PHONY: demo test lint typecheck vllm-env unit integration vllm bench clean
 
 $(STAMP): pyproject.toml
 	$(PYTHON) -m venv $(VENV)
@@ -15,8 +15,17 @@ $(STAMP): pyproject.toml
 demo: $(STAMP)
 	$(BIN)/python -m pdproxy demo
 
-test: lint typecheck
+test: lint typecheck vllm-env
 	$(BIN)/python -m pytest -q -p no:cacheprovider
+
+# Real vLLM (CPU build) for the `vllm` tests: installed once into a cached venv outside the repo
+# (about 2 minutes the first time). PDPROXY_SKIP_VLLM=1 skips both the install and those tests.
+vllm-env: $(STAMP)
+	@if [ "$${PDPROXY_SKIP_VLLM:-0}" = "1" ]; then \
+		echo "PDPROXY_SKIP_VLLM=1: real-vLLM tests will be skipped"; \
+	else \
+		$(BIN)/python -m pdproxy.testing.vllm_env install; \
+	fi
 
 lint: $(STAMP)
 	$(BIN)/ruff check .
@@ -30,6 +39,9 @@ unit: $(STAMP)
 
 integration: $(STAMP)
 	$(BIN)/python -m pytest -q tests/integration
+
+vllm: vllm-env
+	$(BIN)/python -m pytest -q -p no:cacheprovider tests/vllm
 
 bench: $(STAMP)
 	$(BIN)/python benchmarks/bench_proxy.py

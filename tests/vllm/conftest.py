@@ -1,0 +1,147 @@
+"""One real pdproxy in front of one real vLLM prefill and one real vLLM decode, per session.
+
+Starting vLLM costs about 30 s, so the servers start once and every `vllm` test shares them;
+each test tells its own requests apart by the ids the proxy gave them.
+"""
+
+from __future__ import annotations
+
+import re
+import time
+from collections.abc import Iterator
+from dataclasses import dataclass
+from pathlib import Path
+from typing import Any
+
+import openai
+import pytest
+
+from pdproxy.testing.fleet import LocalFleet
+from pdproxy.testing.processes import free_ports, http_json, wait_until
+from pdproxy.testing.vllm_cpu import (
+    VllmServer,
+    running_servers,
+    tiny_model_dir,
+    vllm_id_patterns,
+)
+from pdproxy.testing.vllm_env import VllmEnv
+from tests.conftest import vllm_skipped
+
+REGISTRATION_TIMEOUT_S = 30.0
+CLIENT_TIMEOUT_S = 120.0
+
+
+@dataclass
+class RealStack:
+    proxy: LocalFleet
+    prefill: VllmServer
+    decode: VllmServer
+    env: VllmEnv
+    model: Path
+    work: Path
+
+    def client(self) -> openai.OpenAI:
+        return openai.OpenAI(
+            base_url=f"{self.proxy.proxy_url}/v1",
+            api_key="unused",
+            max_retries=0,
+            timeout=CLIENT_TIMEOUT_S,
+        )
+
+    def instances(self) -> dict[str, dict[str, Any]]:
+        listed = http_json(f"{self.proxy.proxy_url}/v1/instances")["instances"]
+        return {item["http_address"]: item for item in listed}
+
+    def records_for(self, server: VllmServer, tag: str) -> list[dict[str, Any]]:
+        """What `server`'s connector recorded for the requests carrying `tag`."""
+        return [row for row in server.records() if tag in str(row.get("request_id", ""))]
+
+    def wait_finished(self, server: VllmServer, tag: str, count: int = 1) -> list[dict[str, Any]]:
+        """The `finished` records for `tag`, once `count` of them exist (bounded)."""
+        rows: list[dict[str, Any]] = []
+
+        def enough() -> bool:
+            nonlocal rows
+            rows = [r for r in self.records_for(server, tag) if r["event"] == "finished"]
+            return len(rows) >= count
+
+        wait_until(enough, 15.0, f"{count} finished record(s) for {tag} on {server.name}")
+        return rows
+
+
+@dataclass(frozen=True)
+class IdPatterns:
+    """vLLM's own regexes for the P and D addresses in a request id."""
+
+    prefill: re.Pattern[str]
+    decode: re.Pattern[str]
+
+    def addresses(self, engine_id: str) -> tuple[str, str]:
+        prefill, decode = self.prefill.search(engine_id), self.decode.search(engine_id)
+        assert prefill is not None and decode is not None, engine_id
+        return prefill.group(1), decode.group(1)
+
+
+@pytest.fixture(scope="session")
+def vllm_env() -> VllmEnv:
+    if vllm_skipped():
+        pytest.skip("PDPROXY_SKIP_VLLM=1")
+    env = VllmEnv.default()
+    env.ensure()  # normally done by `make test` before pytest starts; a no-op then
+    return env
+
+
+@pytest.fixture(scope="session")
+def vllm_model(vllm_env: VllmEnv, tmp_path_factory: pytest.TempPathFactory) -> Path:
+    return tiny_model_dir(vllm_env, tmp_path_factory.mktemp("vllm-model"))
+
+
+@pytest.fixture(scope="session")
+def id_patterns(vllm_env: VllmEnv) -> IdPatterns:
+    patterns = vllm_id_patterns(vllm_env)
+    return IdPatterns(re.compile(patterns["prefill"]), re.compile(patterns["decode"]))
+
+
+@pytest.fixture(scope="session")
+def real_stack(
+    vllm_env: VllmEnv, vllm_model: Path, tmp_path_factory: pytest.TempPathFactory
+) -> Iterator[RealStack]:
+    work = tmp_path_factory.mktemp("vllm-stack")
+    proxy = LocalFleet(work / "proxy", [], ["--ttl", "10"])
+    proxy.start()
+    try:
+        p_http, p_kv, d_http, d_kv = free_ports(4)
+        prefill = VllmServer(
+            "vllm-P0", "kv_producer", p_http, p_kv, work, proxy.registry_address, cpu="0"
+        )
+        decode = VllmServer(
+            "vllm-D0", "kv_consumer", d_http, d_kv, work, proxy.registry_address, cpu="1"
+        )
+        started = time.monotonic()
+        with running_servers(vllm_env, vllm_model, [prefill, decode]):
+            stack = RealStack(proxy, prefill, decode, vllm_env, vllm_model, work)
+            expected = {prefill.http_address, decode.http_address}
+            wait_until(
+                lambda: expected <= set(stack.instances()),
+                REGISTRATION_TIMEOUT_S,
+                "the vLLM servers' connectors to register",
+                [proxy.proxy] if proxy.proxy else [],
+            )
+            print(f"\nreal vLLM P and D serving after {time.monotonic() - started:.1f} s")
+            yield stack
+    finally:
+        proxy.stop()
+
+
+def metric_sum(server: VllmServer, name: str) -> float:
+    """The sum over label sets of one sample in a real vLLM server's /metrics."""
+    from prometheus_client.parser import text_string_to_metric_families
+
+    total, seen = 0.0, False
+    for family in text_string_to_metric_families(server.metrics_text()):
+        for sample in family.samples:
+            if sample.name == name:
+                total += sample.value
+                seen = True
+    assert seen, f"{server.name} exports no {name}"
+    return total

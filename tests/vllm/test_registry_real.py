@@ -1,0 +1,176 @@
+"""Real vLLM servers in the registry: announced by the connector with the geometry of their real
+VllmConfig, expired when they stop, and announced with real load by the `pdproxy announce`
+sidecar."""
+
+from __future__ import annotations
+
+import threading
+import time
+from pathlib import Path
+from typing import Any
+
+import openai
+import pytest
+
+from pdproxy.testing.fleet import LocalFleet
+from pdproxy.testing.processes import ManagedProcess, free_ports, pdproxy_command, wait_until
+from pdproxy.testing.vllm_cpu import MODEL_NAME, VllmServer, running_servers
+from pdproxy.testing.vllm_env import VllmEnv
+from tests.vllm.conftest import RealStack
+
+pytestmark = pytest.mark.vllm
+
+# The tiny model's KV cache as vLLM builds it on CPU: 2 layers of 2 KV heads of 32, fp32, in
+# vLLM's CPU block size of 128 and its head-major block interior.
+REAL_GEOMETRY = {
+    "tp_size": 1,
+    "block_size": 128,
+    "num_layers": 2,
+    "num_kv_heads": 2,
+    "head_dim": 32,
+    "kv_dtype": "float32",
+    "is_mla": False,
+    "kv_layout": "HND",
+}
+
+
+def test_connector_announces_real_geometry(real_stack: RealStack) -> None:
+    instances = real_stack.instances()
+    for server, role in ((real_stack.prefill, "P"), (real_stack.decode, "D")):
+        item = instances[server.http_address]
+        assert item["type"] == role
+        assert item["source"] == "v1"
+        assert item["zmq_address"] == server.zmq_address
+        assert item["model"] == MODEL_NAME
+        assert item["connector"] == "pdproxy"
+        assert item["geometry"] == REAL_GEOMETRY
+        assert item["healthy"] is True
+        assert item["load"]["running"] == 0
+    announced = [r for r in real_stack.prefill.records() if r["event"] == "announcing"]
+    assert announced and announced[0]["geometry"] == REAL_GEOMETRY
+
+
+def test_stopped_vllm_server_leaves_the_registry_within_the_ttl(
+    vllm_env: VllmEnv, vllm_model: Path, tmp_path: Path
+) -> None:
+    ttl = 6.0
+    proxy = LocalFleet(tmp_path / "proxy", [], ["--ttl", str(ttl)]).start()
+    try:
+        http_port, kv_port = free_ports(2)
+        spare = VllmServer(
+            "vllm-spare", "kv_consumer", http_port, kv_port, tmp_path, proxy.registry_address
+        )
+        with running_servers(vllm_env, vllm_model, [spare]):
+            wait_until(lambda: spare.http_address in proxy.registered(), 15.0, "registration")
+            stopped = time.monotonic()
+            spare.stop()
+            wait_until(
+                lambda: spare.http_address not in proxy.registered(),
+                ttl + 2.0,  # the TTL plus one sweep period
+                "the stopped server to leave the registry",
+            )
+            print(
+                f"\nstopped vLLM server left the registry after {time.monotonic() - stopped:.1f} s"
+            )
+    finally:
+        proxy.stop()
+
+
+def _busy(stack: RealStack, stop: threading.Event, errors: list[BaseException]) -> None:
+    """Keep one long generation running on P, straight to vLLM (not through the proxy)."""
+    client = openai.OpenAI(base_url=f"{stack.prefill.url}/v1", api_key="x", max_retries=0)
+    try:
+        while not stop.is_set():
+            stream = client.completions.create(
+                model=MODEL_NAME,
+                prompt="Keep going",
+                max_tokens=1500,
+                stream=True,
+                extra_body={"ignore_eos": True},
+            )
+            for _chunk in stream:
+                if stop.is_set():
+                    stream.close()
+                    break
+    except BaseException as exc:
+        errors.append(exc)
+
+
+def test_announce_sidecar_reports_real_vllm_load(real_stack: RealStack, tmp_path: Path) -> None:
+    proxy = LocalFleet(tmp_path / "proxy", [], ["--ttl", "30"]).start()
+    server = real_stack.prefill
+    (sidecar_kv,) = free_ports(1)
+    sidecar = ManagedProcess(
+        "announce",
+        pdproxy_command(
+            "announce",
+            "--role",
+            "P",
+            "--http-address",
+            server.http_address,
+            "--zmq-address",
+            f"127.0.0.1:{sidecar_kv}",
+            "--registry",
+            proxy.registry_address,
+            "--model",
+            MODEL_NAME,
+            "--connector",
+            "pdproxy",
+            "--model-config",
+            str(real_stack.model / "config.json"),
+            "--tp-size",
+            "1",
+            "--block-size",
+            "128",
+            "--kv-layout",
+            "HND",
+            "--interval",
+            "0.3",
+        ),
+        tmp_path / "announce.log",
+    )
+    stop = threading.Event()
+    errors: list[BaseException] = []
+    workers = [threading.Thread(target=_busy, args=(real_stack, stop, errors)) for _ in range(2)]
+
+    def announced() -> dict[str, Any]:
+        return next((i for i in proxy.instances() if i["http_address"] == server.http_address), {})
+
+    try:
+        sidecar.start()
+        wait_until(lambda: bool(announced()), 15.0, "the sidecar's announcement", [sidecar])
+        idle = announced()
+        assert idle["source"] == "v1" and idle["healthy"] is True
+        # config.json plus flags give the same geometry the connector read from vLLM itself.
+        assert idle["geometry"] == REAL_GEOMETRY
+        assert idle["load"]["running"] == 0 and idle["load"]["waiting"] == 0
+
+        for worker in workers:
+            worker.start()
+        wait_until(
+            lambda: announced().get("load", {}).get("running") == 2,
+            20.0,
+            "the sidecar to report two running requests",
+            [sidecar],
+        )
+        busy = announced()["load"]
+        assert busy["kv_usage"] > 0.0
+        stop.set()
+        for worker in workers:
+            worker.join(30)
+        assert not errors
+        wait_until(
+            lambda: announced().get("load", {}).get("running") == 0,
+            20.0,
+            "the sidecar to report the server idle again",
+            [sidecar],
+        )
+        assert sidecar.stop() == 0
+        wait_until(lambda: not announced(), 5.0, "the sidecar's leave")
+    finally:
+        stop.set()
+        for worker in workers:
+            if worker.is_alive():
+                worker.join(30)
+        sidecar.stop()
+        proxy.stop()
