@@ -7,6 +7,7 @@ import asyncio
 import contextlib
 import logging
 from collections.abc import Callable
+from dataclasses import asdict
 from typing import Any
 
 import msgpack
@@ -15,6 +16,14 @@ import zmq.asyncio
 
 from pdproxy.testing.fake_worker.asyncio_helpers import cancel_task
 from pdproxy.testing.fake_worker.config import WorkerConfig
+from pdproxy.worker.announcement import (
+    WorkerGeometry,
+    WorkerIdentity,
+    WorkerLoad,
+    leave_message,
+    v0_message,
+)
+from pdproxy.worker.announcement import announce_message as worker_announce_message
 
 log = logging.getLogger("pdproxy.testing.fake_worker")
 
@@ -24,28 +33,19 @@ LEAVE_SEND_TIMEOUT_S = 0.5
 
 
 def announce_message(cfg: WorkerConfig, op: str, running: int) -> dict[str, Any]:
-    base = {"type": cfg.role, "http_address": str(cfg.http), "zmq_address": str(cfg.kv)}
+    identity = WorkerIdentity(
+        role=cfg.role,
+        http_address=str(cfg.http),
+        zmq_address=str(cfg.kv),
+        model=cfg.model,
+        connector=cfg.connector,
+        geometry=WorkerGeometry(**asdict(cfg.geometry)),
+    )
     if cfg.announce == "v0":
-        return base  # byte-for-byte what stock vLLM's P2pNcclEngine sends
-    message: dict[str, Any] = {"v": 1, "op": op, **base}
-    if op == "announce":
-        geometry = cfg.geometry
-        message |= {
-            "model": cfg.model,
-            "connector": cfg.connector,
-            "geometry": {
-                "tp_size": geometry.tp_size,
-                "block_size": geometry.block_size,
-                "num_layers": geometry.num_layers,
-                "num_kv_heads": geometry.num_kv_heads,
-                "head_dim": geometry.head_dim,
-                "kv_dtype": geometry.kv_dtype,
-                "is_mla": geometry.is_mla,
-                "kv_layout": geometry.kv_layout,
-            },
-            "load": {"running": running, "waiting": 0, "kv_usage": 0.0},
-        }
-    return message
+        return v0_message(identity)  # byte-for-byte what stock vLLM's P2pNcclEngine sends
+    if op == "leave":
+        return leave_message(identity)
+    return worker_announce_message(identity, WorkerLoad(running=running, waiting=0, kv_usage=0.0))
 
 
 async def send_frame(sock: zmq.asyncio.Socket, message: dict[str, Any], timeout_s: float) -> bool:
