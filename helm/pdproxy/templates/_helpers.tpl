@@ -1,0 +1,133 @@
+{{/* Names ----------------------------------------------------------------------------- */}}
+
+{{- define "pdproxy.name" -}}
+{{- default .Chart.Name .Values.nameOverride | trunc 63 | trimSuffix "-" }}
+{{- end }}
+
+{{/*
+The full name, also the proxy's objects' name. Truncated to 54 characters so that the longest
+suffix added to it ("-registry", "-prefill") still gives a valid 63-character DNS label.
+*/}}
+{{- define "pdproxy.fullname" -}}
+{{- if .Values.fullnameOverride }}
+{{- .Values.fullnameOverride | trunc 54 | trimSuffix "-" }}
+{{- else }}
+{{- $name := default .Chart.Name .Values.nameOverride }}
+{{- if contains $name .Release.Name }}
+{{- .Release.Name | trunc 54 | trimSuffix "-" }}
+{{- else }}
+{{- printf "%s-%s" .Release.Name $name | trunc 54 | trimSuffix "-" }}
+{{- end }}
+{{- end }}
+{{- end }}
+
+{{- define "pdproxy.chart" -}}
+{{- printf "%s-%s" .Chart.Name .Chart.Version | replace "+" "_" | trunc 63 | trimSuffix "-" }}
+{{- end }}
+
+{{- define "pdproxy.registryServiceName" -}}
+{{- printf "%s-registry" (include "pdproxy.fullname" .) }}
+{{- end }}
+
+{{/* The registry's in-cluster DNS name: vLLM's proxy_ip, the announce sidecar's host. */}}
+{{- define "pdproxy.registryHost" -}}
+{{- printf "%s.%s.svc.%s" (include "pdproxy.registryServiceName" .) .Release.Namespace .Values.clusterDomain }}
+{{- end }}
+
+{{- define "pdproxy.serviceAccountName" -}}
+{{- if .Values.serviceAccount.create }}
+{{- default (include "pdproxy.fullname" .) .Values.serviceAccount.name }}
+{{- else }}
+{{- default "default" .Values.serviceAccount.name }}
+{{- end }}
+{{- end }}
+
+{{/* Labels ---------------------------------------------------------------------------- */}}
+
+{{- define "pdproxy.labels" -}}
+helm.sh/chart: {{ include "pdproxy.chart" . }}
+app.kubernetes.io/name: {{ include "pdproxy.name" . }}
+app.kubernetes.io/instance: {{ .Release.Name }}
+app.kubernetes.io/version: {{ .Chart.AppVersion | quote }}
+app.kubernetes.io/managed-by: {{ .Release.Service }}
+app.kubernetes.io/part-of: pdproxy
+{{- end }}
+
+{{/* All labels of one component's objects: call with (list $ "proxy"|"registry"|...). */}}
+{{- define "pdproxy.componentLabels" -}}
+{{ include "pdproxy.labels" (index . 0) }}
+app.kubernetes.io/component: {{ index . 1 }}
+{{- end }}
+
+{{/* Selector labels of one component: call with (list $ "proxy"|"prefill"|"decode"). */}}
+{{- define "pdproxy.selectorLabels" -}}
+{{- $root := index . 0 -}}
+app.kubernetes.io/name: {{ include "pdproxy.name" $root }}
+app.kubernetes.io/instance: {{ $root.Release.Name }}
+app.kubernetes.io/component: {{ index . 1 }}
+{{- end }}
+
+{{/* Images ----------------------------------------------------------------------------- */}}
+
+{{- define "pdproxy.image" -}}
+{{- printf "%s:%s" .Values.image.repository (default .Chart.AppVersion .Values.image.tag) }}
+{{- end }}
+
+{{- define "pdproxy.fleetImage" -}}
+{{- $tag := required "fleet.image.tag is required when fleet.enabled: pin the vLLM release you run" .Values.fleet.image.tag }}
+{{- printf "%s:%s" .Values.fleet.image.repository $tag }}
+{{- end }}
+
+{{/* The proxy's config file -------------------------------------------------------------- */}}
+
+{{/*
+config.yaml: the user's `config` plus the listening addresses, which the chart owns because the
+Services and probes point at them.
+*/}}
+{{- define "pdproxy.configFile" -}}
+{{- $owned := dict "host" "0.0.0.0" "port" (int .Values.ports.http) "registry_bind" (printf "tcp://0.0.0.0:%d" (int .Values.ports.registry)) }}
+{{- toYaml (merge $owned (deepCopy .Values.config)) }}
+{{- end }}
+
+{{/* The fleet -------------------------------------------------------------------------- */}}
+
+{{- define "pdproxy.servedModelName" -}}
+{{- default .Values.fleet.model .Values.fleet.servedModelName }}
+{{- end }}
+
+{{/* The connector name pdproxy's v1 announcement uses for fleet.connector. */}}
+{{- define "pdproxy.announceConnector" -}}
+{{- if eq .Values.fleet.connector "PdproxyConnector" }}pdproxy{{ else }}p2p_nccl{{ end }}
+{{- end }}
+
+{{/*
+vLLM's --kv-transfer-config for one role: call with (list $ "prefill"|"decode").
+proxy_ip/proxy_port point vLLM's announcements at the registry Service (strings: vLLM builds
+proxy_ip + ":" + proxy_port); they are left out when the announce sidecar announces instead.
+Top-level keys are only those every supported vLLM accepts (its config forbids unknown keys;
+vLLM 0.32 has no kv_ip and no kv_buffer_size): the pod IP goes in kv_connector_extra_config as
+kv_ip (pdproxy's connector announces it; P2pNcclConnector uses VLLM_HOST_IP), and
+kv_buffer_size is sent to P2pNcclConnector only, which reads it.
+*/}}
+{{- define "pdproxy.kvTransferConfig" -}}
+{{- $root := index . 0 }}
+{{- $role := index . 1 }}
+{{- $fleet := $root.Values.fleet }}
+{{- $spec := index $fleet $role }}
+{{- $extra := dict "http_port" (toString $fleet.httpPort) "kv_ip" "$(POD_IP)" }}
+{{- if not $fleet.announce.enabled }}
+{{- $_ := set $extra "proxy_ip" (include "pdproxy.registryHost" $root) }}
+{{- $_ := set $extra "proxy_port" (toString $root.Values.registryService.port) }}
+{{- end }}
+{{- $config := dict
+  "kv_connector" $fleet.connector
+  "kv_role" (ternary "kv_producer" "kv_consumer" (eq $role "prefill"))
+  "kv_port" (int $fleet.kvPort)
+  "kv_connector_extra_config" $extra }}
+{{- if eq $fleet.connector "PdproxyConnector" }}
+{{- $_ := set $config "kv_connector_module_path" "pdproxy.worker.connector" }}
+{{- else }}
+{{- $_ := set $config "kv_buffer_size" (toString $spec.kvBufferSize) }}
+{{- end }}
+{{- toJson $config }}
+{{- end }}

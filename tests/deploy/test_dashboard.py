@@ -1,0 +1,212 @@
+"""deploy/grafana/dashboards/pdproxy.json: every metric (and label) its PromQL names is one the
+proxy really exports, taken from the Metrics class's registry and checked against a live scrape
+of a running proxy that has served a request."""
+
+from __future__ import annotations
+
+import json
+import re
+import urllib.request
+from collections.abc import Iterator
+from typing import Any
+
+import pytest
+from prometheus_client.parser import text_string_to_metric_families
+
+from pdproxy.metrics import LEG_ROLES, Metrics
+from pdproxy.proxy.app import _COUNTED_PATHS, COMPLETION_PATHS
+from pdproxy.registry.messages import Role
+from pdproxy.testing.fleet import WorkerSpec
+from tests.conftest import FleetFactory
+from tests.deploy.support import REPO
+
+DASHBOARD: dict[str, Any] = json.loads(
+    (REPO / "deploy" / "grafana" / "dashboards" / "pdproxy.json").read_text(encoding="utf-8")
+)
+# What Prometheus adds to every scraped series, and the histogram bucket label.
+TARGET_LABELS = {"job", "instance"}
+SUFFIXES = {
+    "counter": ("_total", "_created"),
+    "histogram": ("_bucket", "_sum", "_count", "_created"),
+}
+# PromQL words the dashboard may use besides metric names.
+PROMQL_WORDS = {
+    "sum",
+    "rate",
+    "by",
+    "histogram_quantile",
+    "clamp_min",
+    "or",
+    "vector",
+    "e",  # in 1e-9
+}
+
+
+def exported() -> dict[str, set[str]]:
+    """Every sample name the proxy can export -> its label names (from the Metrics registry)."""
+    metrics = Metrics()
+    labels = {
+        collector._name: set(collector._labelnames)  # the declared label names
+        for collector in vars(metrics).values()
+        if hasattr(collector, "_labelnames")
+    }
+    names: dict[str, set[str]] = {}
+    for family in metrics.registry.collect():
+        declared = labels[family.name]
+        for suffix in SUFFIXES.get(family.type, ("",)):
+            names[family.name + suffix] = declared | ({"le"} if suffix == "_bucket" else set())
+    return names
+
+
+EXPORTED = exported()
+
+
+def panels(items: list[dict[str, Any]]) -> Iterator[dict[str, Any]]:
+    for panel in items:
+        yield panel
+        yield from panels(panel.get("panels", []))
+
+
+def expressions() -> list[str]:
+    return [t["expr"] for p in panels(DASHBOARD["panels"]) for t in p.get("targets", [])]
+
+
+def referenced(expr: str) -> tuple[set[str], set[str], set[str]]:
+    """(metric names, label names, other words) an expression uses."""
+    text = expr.replace("$__rate_interval", "")
+    labels: set[str] = set()
+    for block in re.findall(r"\{([^}]*)\}", text):  # label matchers
+        labels |= set(re.findall(r"(\w+)\s*(?:=~|!~|!=|=)", block))
+    for block in re.findall(r"\b(?:by|without)\s*\(([^)]*)\)", text):  # grouping
+        labels |= {name.strip() for name in block.split(",")}
+    text = re.sub(r'"[^"]*"', "", text)
+    text = re.sub(r"\{[^}]*\}|\[[^\]]*\]", "", text)
+    text = re.sub(r"\b(by|without)\s*\([^)]*\)", r"\1", text)
+    words = set(re.findall(r"[A-Za-z_:][A-Za-z0-9_:]*", text))
+    metrics = {w for w in words if w.startswith("pdproxy_")}
+    return metrics, labels, words - metrics
+
+
+def test_exported_names_follow_the_metric_types() -> None:
+    assert "pdproxy_requests_total" in EXPORTED
+    assert "pdproxy_requests" not in EXPORTED  # a counter is only exported with _total
+    assert EXPORTED["pdproxy_request_duration_seconds_bucket"] == {"endpoint", "le"}
+    assert EXPORTED["pdproxy_inflight_requests"] == {"role", "instance"}
+
+
+def test_every_panel_queries_something() -> None:
+    for panel in panels(DASHBOARD["panels"]):
+        if panel["type"] != "row":
+            assert panel.get("targets"), panel["title"]
+            assert all(t["expr"].strip() for t in panel["targets"]), panel["title"]
+
+
+@pytest.mark.parametrize("expr", expressions())
+def test_queries_name_only_exported_metrics_and_labels(expr: str) -> None:
+    metrics, labels, words = referenced(expr)
+    assert metrics, f"no pdproxy metric in {expr}"
+    unknown = metrics - set(EXPORTED)
+    assert not unknown, f"{sorted(unknown)} are not exported by pdproxy"
+    assert words <= PROMQL_WORDS, f"unexpected names {sorted(words - PROMQL_WORDS)} in {expr}"
+    known = set().union(*(EXPORTED[m] for m in metrics)) | TARGET_LABELS
+    assert labels <= known, f"labels {sorted(labels - known)} not on {sorted(metrics)}"
+
+
+def test_the_check_catches_a_misspelt_metric() -> None:
+    metrics, _, _ = referenced("sum(rate(pdproxy_request_total[5m]))")
+    assert metrics - set(EXPORTED) == {"pdproxy_request_total"}
+    _, labels, _ = referenced('sum by (pod) (pdproxy_inflight_requests{rol="P"})')
+    assert labels == {"pod", "rol"}
+
+
+def test_the_dashboard_covers_every_metric_family() -> None:
+    used = set().union(*(referenced(e)[0] for e in expressions()))
+    families = {name for name in EXPORTED if not name.endswith("_created")}
+    covered = {f for f in families if f in used}
+    bases = {re.sub(r"_(total|bucket|sum|count)$", "", f) for f in covered}
+    all_bases = {re.sub(r"_(total|bucket|sum|count)$", "", f) for f in families}
+    assert bases == all_bases
+
+
+# Label values pdproxy draws from fixed sets, by (metric, label).
+ENUMS: dict[tuple[str, str], set[str]] = {
+    ("pdproxy_registry_instances", "role"): {r.value for r in Role},
+    ("pdproxy_inflight_requests", "role"): set(LEG_ROLES),
+    ("pdproxy_upstream_errors_total", "role"): set(LEG_ROLES),
+    ("pdproxy_requests_total", "endpoint"): set(COMPLETION_PATHS) | set(_COUNTED_PATHS),
+    ("pdproxy_request_duration_seconds_bucket", "endpoint"): set(COMPLETION_PATHS),
+    # "saturated" is the one kind the dashboard singles out: the proxy's own congestion.
+    ("pdproxy_upstream_errors_total", "kind"): {"saturated"},
+}
+
+
+def matchers(expr: str) -> Iterator[tuple[str, str, str]]:
+    """(metric, label, value) of every = or =~ matcher; =~ alternatives one by one."""
+    for metric, block in re.findall(r"(pdproxy_\w+)\{([^}]*)\}", expr):
+        for label, op, value in re.findall(r'(\w+)\s*(=~|=)\s*"([^"]*)"', block):
+            for item in value.split("|") if op == "=~" else [value]:
+                yield metric, label, item
+
+
+def test_label_values_in_matchers_are_ones_pdproxy_uses() -> None:
+    checked = 0
+    for expr in expressions():
+        for metric, label, value in matchers(expr):
+            allowed = ENUMS.get((metric, label))
+            if allowed is None:
+                assert label == "status", (metric, label)  # regexes over status codes
+                continue
+            assert value in allowed, f'{metric}{{{label}="{value}"}} can never match'
+            checked += 1
+    assert checked >= 5
+    bad = list(matchers('pdproxy_inflight_requests{role="P"}'))
+    assert bad == [("pdproxy_inflight_requests", "role", "P")]
+    assert "P" not in ENUMS[bad[0][:2]]
+
+
+def test_no_kv_transfer_panels_without_kv_metrics() -> None:
+    """KV transfer bytes/durations are left out until metrics.py exports them."""
+    assert not [name for name in EXPORTED if "kv" in name]
+    titles = [p["title"].lower() for p in panels(DASHBOARD["panels"])]
+    assert not [t for t in titles if "kv" in t]
+
+
+def test_a_live_scrape_matches_the_registry(fleet_factory: FleetFactory) -> None:
+    """A real proxy that served a request exports exactly these names and labels."""
+    fleet = fleet_factory([WorkerSpec("P"), WorkerSpec("D")])
+    body = json.dumps({"model": "fake-model", "prompt": "hello", "max_tokens": 3}).encode()
+    request = urllib.request.Request(
+        fleet.proxy_url + "/v1/completions",
+        data=body,
+        headers={"Content-Type": "application/json"},
+    )
+    with urllib.request.urlopen(request, timeout=30) as response:
+        assert response.status == 200
+    with urllib.request.urlopen(fleet.proxy_url + "/metrics", timeout=10) as response:
+        text = response.read().decode()
+    seen: dict[str, set[str]] = {}
+    for family in text_string_to_metric_families(text):
+        for sample in family.samples:
+            if sample.name.startswith("pdproxy_"):
+                seen.setdefault(sample.name, set()).update(sample.labels)
+    assert seen, "no pdproxy metrics in the scrape"
+    for name, labels in seen.items():
+        assert name in EXPORTED, name
+        assert labels == EXPORTED[name], name
+    # Everything the dashboard plots once traffic flowed is in the scrape (errors aside).
+    used = set().union(*(referenced(e)[0] for e in expressions()))
+    assert used - set(seen) <= {"pdproxy_upstream_errors_total"}
+
+
+def test_panels_have_unique_ids_and_do_not_overlap() -> None:
+    laid_out = list(panels(DASHBOARD["panels"]))
+    ids = [p["id"] for p in laid_out]
+    assert len(ids) == len(set(ids))
+    cells: dict[tuple[int, int], str] = {}
+    for panel in laid_out:
+        pos = panel["gridPos"]
+        assert pos["x"] + pos["w"] <= 24, panel["title"]
+        for x in range(pos["x"], pos["x"] + pos["w"]):
+            for y in range(pos["y"], pos["y"] + pos["h"]):
+                assert (x, y) not in cells, f"{panel['title']} overlaps {cells[(x, y)]}"
+                cells[(x, y)] = panel["title"]

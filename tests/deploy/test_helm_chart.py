@@ -1,0 +1,628 @@
+"""helm/pdproxy rendered by real Helm: lint, schema, Kubernetes schemas, and the wiring between
+the proxy, its Services and the vLLM fleet (ports, DNS names, probes, config file, secrets)."""
+
+from __future__ import annotations
+
+import json
+import re
+import socket
+from pathlib import Path
+from typing import Any
+
+import helm_python as helm
+import kubernetes_validate  # type: ignore[import-untyped]
+import pytest
+import yaml
+
+from pdproxy.config import ENV_PREFIX, Settings
+from pdproxy.proxy.app import COMPLETION_PATHS, PdproxyApp
+from pdproxy.testing.processes import http_get
+from pdproxy.worker.connector_settings import connector_settings
+from tests.deploy.support import (
+    CHART,
+    CONFIG_FILE_KEY,
+    EXAMPLES,
+    NAMESPACE,
+    REPO,
+    VALUE_SETS,
+    Rendered,
+    container,
+    container_port,
+    env_value,
+    flag_value,
+    parse_pdproxy,
+    pod_spec,
+    read_dockerfile,
+    render,
+    running_proxy,
+    selects,
+    serve_settings,
+    walk_schema_paths,
+)
+
+SCHEMA: dict[str, Any] = json.loads((CHART / "values.schema.json").read_text(encoding="utf-8"))
+DEFAULT_VALUES: dict[str, Any] = yaml.safe_load((CHART / "values.yaml").read_text("utf-8"))
+# Settings the chart sets itself rather than through `config`: the listening addresses (the
+# Services and probes point at them) and the upstream key (a Secret, never a ConfigMap).
+CHART_OWNED = {"host", "port", "registry_bind"}
+FROM_SECRET = {"upstream_api_key"}
+# Objects with no schema in kubernetes-validate (a CRD); checked field by field below instead.
+CUSTOM_KINDS = {("monitoring.coreos.com/v1", "ServiceMonitor")}
+OLDEST_KUBERNETES = "1.25"  # Chart.yaml's kubeVersion
+ANNOUNCE_FLAGS = {
+    "--role",
+    "--http-address",
+    "--zmq-address",
+    "--registry",
+    "--model",
+    "--connector",
+    "--metrics-url",
+}
+FAKE_SECRET = "test-upstream-key"
+
+VALUE_SET_IDS = sorted(VALUE_SETS)
+
+
+@pytest.fixture(scope="module", params=VALUE_SET_IDS)
+def rendered(request: pytest.FixtureRequest) -> Rendered:
+    return render(VALUE_SETS[request.param])
+
+
+def test_the_examples_are_the_documented_three() -> None:
+    assert set(EXAMPLES) == {"proxy-only", "fleet-2p2d", "all-on"}
+
+
+# ---- lint and schema -------------------------------------------------------------------------
+
+
+@pytest.mark.parametrize("name", VALUE_SET_IDS)
+def test_helm_lint_is_clean(name: str) -> None:
+    report = helm.lint(CHART, VALUE_SETS[name], strict=True, namespace=NAMESPACE)
+    assert report["errors"] == []
+    # Severity 1 is Helm's "info" (only "icon is recommended"); warnings and errors fail.
+    assert [m for m in report["messages"] if m["severity"] >= 2] == []
+
+
+def test_every_default_value_is_declared_in_the_schema() -> None:
+    assert list(walk_schema_paths(DEFAULT_VALUES, SCHEMA, SCHEMA)) == []
+
+
+def test_the_walk_finds_undeclared_values() -> None:
+    """The check above can fail: an undeclared key, nested or not, is reported."""
+    values = {
+        "image": {"repository": "x", "colour": "blue"},
+        "bogus": 1,
+        "nodeSelector": {"a": "b"},
+    }
+    assert sorted(walk_schema_paths(values, SCHEMA, SCHEMA)) == ["bogus", "image.colour"]
+
+
+def test_every_schema_property_has_a_default() -> None:
+    """Schema and values.yaml describe the same tree: no declared key lacks a default."""
+
+    def missing(schema: dict[str, Any], values: Any, path: str) -> list[str]:
+        # Shared definitions ($ref: ports, resources, ...) are types whose keys are optional;
+        # config's keys are Settings fields, whose defaults live in Settings.
+        if "$ref" in schema or "properties" not in schema or path == "config":
+            return []
+        out = []
+        for key, sub in schema["properties"].items():
+            where = f"{path}.{key}" if path else key
+            if not isinstance(values, dict) or key not in values:
+                out.append(where)
+            else:
+                out += missing(sub, values[key], where)
+        return out
+
+    assert missing(SCHEMA, DEFAULT_VALUES, "") == []
+
+
+def test_the_schema_refuses_unknown_keys_everywhere() -> None:
+    def open_objects(schema: dict[str, Any], path: str) -> list[str]:
+        if "properties" not in schema:
+            return []
+        out = [] if schema.get("additionalProperties") is False else [path or "<root>"]
+        for key, sub in schema["properties"].items():
+            out += open_objects(sub, f"{path}.{key}" if path else key)
+        return out
+
+    assert open_objects(SCHEMA, "") == []
+
+
+def test_config_schema_is_exactly_the_settings_fields() -> None:
+    """Every Settings field is configurable through the chart, and nothing else is."""
+    declared = set(SCHEMA["properties"]["config"]["properties"])
+    assert declared | CHART_OWNED | FROM_SECRET == set(Settings.model_fields)
+    assert not declared & (CHART_OWNED | FROM_SECRET)
+
+
+def test_all_on_example_sets_every_config_key() -> None:
+    """So the Settings round trip below covers every key the schema lets through."""
+    assert set(VALUE_SETS["all-on"]["config"]) == set(SCHEMA["properties"]["config"]["properties"])
+
+
+@pytest.mark.parametrize(
+    ("values", "complaint"),
+    [
+        ({"config": {"not_a_setting": 1}}, "not_a_setting"),
+        ({"config": {"port": 9000}}, "'port' not allowed"),
+        ({"config": {"upstream_api_key": "in-a-configmap"}}, "upstream_api_key"),
+        ({"config": {"log_level": "verbose"}}, "/config/log_level"),
+        ({"config": {"ttl": 0}}, "/config/ttl"),
+        ({"config": {"prefill": ["10.0.0.1:8000"]}}, "/config/prefill/0"),
+        ({"replicaCount": "two"}, "/replicaCount"),
+        ({"ports": {"http": 70000, "registry": 30001}}, "/ports/http"),
+        ({"image": {"pullPolicy": "Sometimes"}}, "/image/pullPolicy"),
+        ({"fleet": {"enabled": True}}, "/fleet/model"),
+        ({"fleet": {"connector": "NixlConnector"}}, "/fleet/connector"),
+        ({"podDisruptionBudget": {"maxUnavailable": "10"}}, "/podDisruptionBudget/maxUnavailable"),
+        ({"auth": {"adminToken": {"existingSecret": "admin"}}}, "'auth' not allowed"),
+        (
+            {"fleet": {"connector": "PdproxyConnector", "announce": {"enabled": True}}},
+            "/fleet/announce/enabled",
+        ),
+    ],
+)
+def test_values_violating_the_schema_are_refused(
+    tmp_path: Path, values: dict[str, Any], complaint: str
+) -> None:
+    values_file = tmp_path / "bad-values.yaml"
+    values_file.write_text(yaml.safe_dump(values), encoding="utf-8")
+    loaded = yaml.safe_load(values_file.read_text(encoding="utf-8"))
+    with pytest.raises(helm.HelmValuesError) as refused:
+        render(loaded)
+    assert complaint in str(refused.value)
+    report = helm.lint(CHART, loaded, namespace=NAMESPACE)
+    assert any(complaint in error for error in report["errors"]), report
+
+
+@pytest.mark.parametrize(
+    ("values", "complaint"),
+    [
+        (
+            {"fleet": {"decode": {"tensorParallelSize": 2}}},
+            "P2pNcclConnector supports symmetric tensor parallelism only",
+        ),
+        ({"autoscaling": {"enabled": True, "minReplicas": 5, "maxReplicas": 2}}, "minReplicas"),
+    ],
+)
+def test_inconsistent_values_fail_rendering(values: dict[str, Any], complaint: str) -> None:
+    base = VALUE_SETS["fleet-2p2d"]
+    merged = {**base, **values}
+    if "fleet" in values:
+        fleet = {
+            **base["fleet"],
+            "decode": {**base["fleet"]["decode"], **values["fleet"]["decode"]},
+        }
+        merged["fleet"] = fleet
+    with pytest.raises(helm.HelmError) as refused:
+        render(merged)
+    assert complaint in str(refused.value)
+
+
+# ---- Kubernetes schemas (offline) --------------------------------------------------------------
+
+
+@pytest.fixture
+def no_network(monkeypatch: pytest.MonkeyPatch) -> None:
+    """Any connection attempt from Python fails the test: validation must be offline."""
+
+    def refuse(*_args: Any, **_kwargs: Any) -> None:
+        raise AssertionError("network access during schema validation")
+
+    monkeypatch.setattr(socket.socket, "connect", refuse)
+    monkeypatch.setattr(socket, "create_connection", refuse)
+
+
+@pytest.mark.usefixtures("no_network")
+@pytest.mark.parametrize("version", [OLDEST_KUBERNETES, kubernetes_validate.latest_version()])
+def test_every_manifest_is_valid_kubernetes(rendered: Rendered, version: str) -> None:
+    unchecked = set()
+    for manifest in rendered.manifests:
+        key = (manifest["apiVersion"], manifest["kind"])
+        if key in CUSTOM_KINDS:
+            unchecked.add(key)
+            continue
+        try:
+            kubernetes_validate.validate(manifest, version, strict=True)
+        except kubernetes_validate.ValidationError as exc:
+            where = ".".join(str(p) for p in exc.path)
+            name = f"{manifest['kind']}/{manifest['metadata']['name']}"
+            pytest.fail(f"{name} is invalid for Kubernetes {version} at {where}: {exc.message}")
+    kinds = {(m["apiVersion"], m["kind"]) for m in rendered.manifests}
+    assert unchecked == kinds & CUSTOM_KINDS
+
+
+@pytest.mark.usefixtures("no_network")
+def test_the_validator_catches_a_bad_manifest() -> None:
+    """Strict validation is real: a misspelt field and a wrong type are both refused."""
+    deployment = render({}).proxy_deployment
+    typo = json.loads(json.dumps(deployment))
+    typo["spec"]["replica"] = 2
+    wrong_type = json.loads(json.dumps(deployment))
+    pod_spec(wrong_type)["containers"][0]["ports"][0]["containerPort"] = "8000"
+    for bad in (typo, wrong_type):
+        with pytest.raises(kubernetes_validate.ValidationError):
+            kubernetes_validate.validate(bad, OLDEST_KUBERNETES, strict=True)
+
+
+def test_rendered_objects_are_namespaced_and_unique(rendered: Rendered) -> None:
+    keys = [(m["kind"], m["metadata"]["name"]) for m in rendered.manifests]
+    assert len(keys) == len(set(keys))
+    for manifest in rendered.manifests:
+        assert manifest["metadata"]["namespace"] == NAMESPACE
+        assert len(manifest["metadata"]["name"]) <= 63
+
+
+# ---- the proxy: config file, command, secrets ----------------------------------------------
+
+
+def _proxy_environ(rendered: Rendered) -> dict[str, str]:
+    """The proxy container's environment as the kubelet would build it (Secrets faked)."""
+    spec = container(rendered.proxy_deployment, "pdproxy")
+    environ: dict[str, str] = {}
+    for item in spec.get("env", []):
+        if "value" in item:
+            environ[item["name"]] = item["value"]
+        else:
+            assert "secretKeyRef" in item["valueFrom"], item
+            environ[item["name"]] = FAKE_SECRET
+    return environ
+
+
+def _mounted_command(rendered: Rendered, mount_dir: Path) -> list[str]:
+    """The proxy container's argv with the ConfigMap "mounted" under `mount_dir`."""
+    deployment = rendered.proxy_deployment
+    spec = container(deployment, "pdproxy")
+    mounts = {m["name"]: m["mountPath"] for m in spec["volumeMounts"]}
+    volumes = {v["name"]: v for v in pod_spec(deployment)["volumes"]}
+    config_volume = next(n for n, v in volumes.items() if "configMap" in v)
+    assert volumes[config_volume]["configMap"]["name"] == rendered.fullname
+    mount_dir.mkdir(parents=True, exist_ok=True)
+    (mount_dir / CONFIG_FILE_KEY).write_text(rendered.config_text, encoding="utf-8")
+    argv = [*spec["command"], *spec["args"]]
+    return [arg.replace(mounts[config_volume], str(mount_dir)) for arg in argv]
+
+
+def test_config_keys_are_settings_fields(rendered: Rendered) -> None:
+    assert set(rendered.config) <= set(Settings.model_fields)
+
+
+def test_the_container_command_builds_settings(rendered: Rendered, tmp_path: Path) -> None:
+    """Flags, env and the mounted config file go through the proxy's real CLI and Settings."""
+    argv = _mounted_command(rendered, tmp_path / "etc-pdproxy")
+    assert flag_value(argv, "--config") == str(tmp_path / "etc-pdproxy" / CONFIG_FILE_KEY)
+    settings = serve_settings(argv, _proxy_environ(rendered))
+    spec = container(rendered.proxy_deployment, "pdproxy")
+    assert settings.port == container_port(spec, "http")
+    registry = re.fullmatch(r"tcp://0\.0\.0\.0:(\d+)", settings.registry_bind)
+    assert registry is not None, settings.registry_bind
+    assert int(registry.group(1)) == container_port(spec, "registry")
+    for key, value in rendered.config.items():
+        assert key in Settings.model_fields
+        if key in ("prefill", "decode"):
+            assert len(getattr(settings, key)) == len(value)
+        else:
+            assert getattr(settings, key) == value, key
+
+
+def test_env_vars_are_settings_the_proxy_accepts(rendered: Rendered) -> None:
+    spec = container(rendered.proxy_deployment, "pdproxy")
+    for item in spec.get("env", []):
+        if item["name"].startswith(ENV_PREFIX):
+            field = item["name"].removeprefix(ENV_PREFIX).lower()
+            assert field in Settings.model_fields, item["name"]
+
+
+@pytest.mark.parametrize("name", VALUE_SET_IDS)
+def test_upstream_key_comes_from_the_named_secret(name: str, tmp_path: Path) -> None:
+    values = VALUE_SETS[name]
+    rendered = render(values)
+    spec = container(rendered.proxy_deployment, "pdproxy")
+    secret = values.get("upstreamApiKey", {}).get("existingSecret", "")
+    names = [e["name"] for e in spec.get("env", [])]
+    if not secret:
+        assert "PDPROXY_UPSTREAM_API_KEY" not in names
+        return
+    ref = env_value(spec, "PDPROXY_UPSTREAM_API_KEY")["valueFrom"]["secretKeyRef"]
+    assert ref == {"name": secret, "key": values["upstreamApiKey"]["key"]}
+    argv = _mounted_command(rendered, tmp_path / "etc")
+    settings = serve_settings(argv, _proxy_environ(rendered))
+    assert settings.upstream_api_key is not None
+    assert settings.upstream_api_key.get_secret_value() == FAKE_SECRET
+    assert "upstream_api_key" not in rendered.config_text
+
+
+def test_probe_paths_are_routes_of_the_proxy_app(rendered: Rendered) -> None:
+    app = PdproxyApp(Settings())
+    routes = {getattr(r, "path", None) for r in app.api.routes} | set(COMPLETION_PATHS)
+    spec = container(rendered.proxy_deployment, "pdproxy")
+    assert spec["livenessProbe"]["httpGet"]["path"] == "/health"
+    assert spec["readinessProbe"]["httpGet"]["path"] == "/ready"
+    for probe in ("livenessProbe", "readinessProbe"):
+        get = spec[probe]["httpGet"]
+        assert get["path"] in routes
+        container_port(spec, get["port"])
+
+
+@pytest.mark.parametrize("name", VALUE_SET_IDS)
+def test_the_rendered_proxy_serves_its_probes(name: str, tmp_path: Path) -> None:
+    """`pdproxy serve` started from the rendered command and config file answers the probes."""
+    rendered = render(VALUE_SETS[name])
+    argv = _mounted_command(rendered, tmp_path / "etc")
+    spec = container(rendered.proxy_deployment, "pdproxy")
+    env = _proxy_environ(rendered)
+    with running_proxy(argv, env, tmp_path / "pdproxy.log") as url:
+        status, _ = http_get(url + spec["livenessProbe"]["httpGet"]["path"])
+        assert status == 200
+        status, body = http_get(url + spec["readinessProbe"]["httpGet"]["path"])
+        static = rendered.config.get("prefill") and rendered.config.get("decode")
+        # Ready only once a prefill instance has a compatible decode instance: here only the
+        # statically configured ones can be there (nothing announces).
+        assert status == (200 if static else 503), body
+        assert json.loads(body)["status"] == ("ready" if static else "not_ready")
+        status, body = http_get(url + "/metrics")
+        assert status == 200 and b"pdproxy_registry_instances" in body
+        status, body = http_get(url + "/v1/instances")
+        listed = {i["http_address"] for i in json.loads(body)["instances"]}
+        assert len(listed) == len(rendered.config.get("prefill", [])) + len(
+            rendered.config.get("decode", [])
+        )
+
+
+def test_proxy_pod_is_locked_down(rendered: Rendered) -> None:
+    deployment = rendered.proxy_deployment
+    pod = pod_spec(deployment)
+    spec = container(deployment, "pdproxy")
+    assert pod["securityContext"]["runAsNonRoot"] is True
+    assert pod["securityContext"]["runAsUser"] != 0
+    assert pod["automountServiceAccountToken"] is False
+    security = spec["securityContext"]
+    assert security["readOnlyRootFilesystem"] is True
+    assert security["allowPrivilegeEscalation"] is False
+    assert security["capabilities"]["drop"] == ["ALL"]
+    assert spec["resources"]["requests"] and spec["resources"]["limits"]
+
+
+def test_the_pod_runs_as_the_images_user() -> None:
+    _, stages = read_dockerfile(REPO / "Dockerfile")
+    user = stages[-1].get("USER")[-1].text
+    pod = pod_spec(render({}).proxy_deployment)["securityContext"]
+    assert user == f"{pod['runAsUser']}:{pod['runAsGroup']}"
+
+
+def test_image_defaults_to_the_app_version() -> None:
+    with helm.Chart.load(CHART) as chart:
+        app_version = chart.metadata["appVersion"]
+    spec = container(render({}).proxy_deployment, "pdproxy")
+    assert spec["image"] == f"pdproxy:{app_version}"
+
+
+# ---- Services and the objects that point at the proxy ------------------------------------------
+
+
+def test_services_route_to_the_proxy_ports(rendered: Rendered) -> None:
+    deployment = rendered.proxy_deployment
+    labels = deployment["spec"]["template"]["metadata"]["labels"]
+    spec = container(deployment, "pdproxy")
+    for service, port_name in (
+        (rendered.http_service, "http"),
+        (rendered.registry_service, "registry"),
+    ):
+        assert selects(service["spec"]["selector"], labels)
+        (port,) = service["spec"]["ports"]
+        assert port["targetPort"] == port_name
+        container_port(spec, port_name)
+    # Announcements must reach a proxy that is not ready yet: it becomes ready through them.
+    assert rendered.registry_service["spec"]["publishNotReadyAddresses"] is True
+    for deployment in rendered.all("Deployment"):
+        selector = deployment["spec"]["selector"]["matchLabels"]
+        assert selects(selector, deployment["spec"]["template"]["metadata"]["labels"])
+
+
+def test_optional_objects_target_the_proxy(rendered: Rendered) -> None:
+    deployment = rendered.proxy_deployment
+    labels = deployment["spec"]["template"]["metadata"]["labels"]
+    for hpa in rendered.all("HorizontalPodAutoscaler"):
+        target = hpa["spec"]["scaleTargetRef"]
+        assert (target["kind"], target["name"]) == ("Deployment", rendered.fullname)
+        assert "replicas" not in deployment["spec"]  # the HPA owns it
+    for pdb in rendered.all("PodDisruptionBudget"):
+        assert selects(pdb["spec"]["selector"]["matchLabels"], labels)
+    for monitor in rendered.all("ServiceMonitor"):
+        selector = monitor["spec"]["selector"]["matchLabels"]
+        assert selects(selector, rendered.http_service["metadata"]["labels"])
+        assert not selects(selector, rendered.registry_service["metadata"]["labels"])
+        (endpoint,) = monitor["spec"]["endpoints"]
+        assert endpoint["port"] in {p["name"] for p in rendered.http_service["spec"]["ports"]}
+        assert endpoint["path"] == "/metrics"
+        assert monitor["spec"]["namespaceSelector"]["matchNames"] == [NAMESPACE]
+    spec = container(deployment, "pdproxy")
+    fleet_labels = [d["spec"]["template"]["metadata"]["labels"] for d in rendered.fleet()]
+    for policy in rendered.all("NetworkPolicy"):
+        assert selects(policy["spec"]["podSelector"]["matchLabels"], labels)
+        rules = {rule["ports"][0]["port"]: rule for rule in policy["spec"]["ingress"]}
+        assert set(rules) == {"http", "registry"}
+        for port_name in rules:
+            container_port(spec, port_name)
+        peers = rules["registry"].get("from", [])
+        for pod_labels in fleet_labels:  # every fleet pod may announce
+            assert any(
+                selects(p["podSelector"]["matchLabels"], pod_labels)
+                for p in peers
+                if "podSelector" in p
+            )
+
+
+def test_every_optional_object_is_off_by_default_and_on_in_all_on() -> None:
+    optional = {"HorizontalPodAutoscaler", "PodDisruptionBudget", "NetworkPolicy", "ServiceMonitor"}
+    assert {m["kind"] for m in render({}).manifests} & optional == set()
+    all_on = render(VALUE_SETS["all-on"])
+    assert {m["kind"] for m in all_on.manifests} >= optional | {"ServiceAccount"}
+    assert len(all_on.fleet()) == 2
+
+
+# ---- the vLLM fleet --------------------------------------------------------------------------
+
+
+FLEET_SETS = [name for name in VALUE_SET_IDS if VALUE_SETS[name].get("fleet", {}).get("enabled")]
+
+
+def _env_refs_resolve(spec: dict[str, Any]) -> None:
+    """Every $(VAR) in command, args and env values names an env var defined before it."""
+    defined: list[str] = []
+    for item in spec.get("env", []):
+        for ref in re.findall(r"\$\((\w+)\)", item.get("value", "")):
+            assert ref in defined, f"{item['name']} uses $({ref}) before it is defined"
+        defined.append(item["name"])
+    for arg in [*spec.get("command", []), *spec.get("args", [])]:
+        for ref in re.findall(r"\$\((\w+)\)", arg):
+            assert ref in defined, f"{arg!r} uses $({ref}), not an env var of {spec['name']}"
+
+
+@pytest.mark.parametrize("name", FLEET_SETS)
+def test_fleet_announces_to_the_registry_service(name: str) -> None:
+    values = VALUE_SETS[name]
+    rendered = render(values)
+    registry = rendered.registry_service
+    registry_host = f"{registry['metadata']['name']}.{NAMESPACE}.svc.cluster.local"
+    (registry_port,) = registry["spec"]["ports"]
+    announce_sidecar = values["fleet"].get("announce", {}).get("enabled", False)
+    roles = {}
+    for deployment in rendered.fleet():
+        role = deployment["metadata"]["labels"]["app.kubernetes.io/component"]
+        roles[role] = deployment
+        spec = container(deployment, "vllm")
+        args = spec["args"]
+        kv = json.loads(flag_value(args, "--kv-transfer-config"))
+        assert kv["kv_role"] == {"prefill": "kv_producer", "decode": "kv_consumer"}[role]
+        extra = kv["kv_connector_extra_config"]
+        if announce_sidecar:  # the sidecar announces; vLLM's own v0 ping is off
+            assert "proxy_ip" not in extra and "proxy_port" not in extra
+        else:
+            assert extra["proxy_ip"] == registry_host
+            assert extra["proxy_port"] == str(registry_port["port"])
+        # vLLM builds the address as proxy_ip + ":" + proxy_port: strings, not numbers.
+        assert all(isinstance(v, str) for v in extra.values())
+        http_port = container_port(spec, "http")
+        assert extra["http_port"] == flag_value(args, "--port") == str(http_port)
+        tp = int(flag_value(args, "--tensor-parallel-size"))
+        assert [container_port(spec, f"kv-r{r}") for r in range(tp)] == [
+            kv["kv_port"] + r for r in range(tp)
+        ]
+        # vLLM's KVTransferConfig forbids unknown keys, and 0.32 dropped kv_ip and
+        # kv_buffer_size: only keys every supported release accepts, plus kv_buffer_size for
+        # P2pNcclConnector (which reads it, in the releases that ship it).
+        common = {"kv_connector", "kv_role", "kv_port", "kv_connector_extra_config"}
+        if kv["kv_connector"] == "PdproxyConnector":
+            assert kv["kv_connector_module_path"] == "pdproxy.worker.connector"
+            assert set(kv) == common | {"kv_connector_module_path"}
+            # What pdproxy's connector makes of it, with the pod IP the kubelet substitutes.
+            ip = "10.1.2.3"
+            read = connector_settings(
+                kv["kv_role"],
+                None,
+                kv["kv_port"],
+                {k: v.replace("$(POD_IP)", ip) for k, v in extra.items()},
+                default_host="not-the-pod-ip",
+            )
+            assert read.announces
+            assert read.role == {"prefill": "P", "decode": "D"}[role]
+            assert read.http_address == f"{ip}:{http_port}"
+            assert read.zmq_address == f"{ip}:{kv['kv_port']}"
+            assert read.registry == f"{registry_host}:{registry_port['port']}"
+        else:
+            assert kv["kv_connector"] == "P2pNcclConnector"
+            assert set(kv) == common | {"kv_buffer_size"}
+            assert kv["kv_buffer_size"] == values["fleet"][role]["kvBufferSize"]
+        # The pod IP is bound and announced; P and D keep one request id (vLLM >= 0.14).
+        pod_ip = env_value(spec, "POD_IP")["valueFrom"]["fieldRef"]["fieldPath"]
+        assert pod_ip == "status.podIP"
+        assert flag_value(args, "--host") == extra["kv_ip"] == "$(POD_IP)"
+        assert env_value(spec, "VLLM_HOST_IP")["value"] == "$(POD_IP)"
+        assert env_value(spec, "VLLM_DISABLE_REQUEST_ID_RANDOMIZATION")["value"] == "1"
+        _env_refs_resolve(spec)
+        gpu = values["fleet"].get("gpuResourceName", "nvidia.com/gpu")
+        assert spec["resources"]["limits"][gpu] == spec["resources"]["requests"][gpu] == tp
+        assert deployment["spec"]["replicas"] == values["fleet"][role]["replicas"]
+        assert flag_value(args, "--model") == values["fleet"]["model"]
+        for probe in ("startupProbe", "livenessProbe", "readinessProbe"):
+            assert spec[probe]["httpGet"] == {"path": "/health", "port": "http"}
+        names = [c["name"] for c in pod_spec(deployment)["containers"]]
+        assert names == (["vllm", "announce"] if announce_sidecar else ["vllm"])
+        if announce_sidecar:
+            _check_announce_sidecar(deployment, role, kv, registry_host, registry_port["port"])
+    assert set(roles) == {"prefill", "decode"}
+
+
+def _check_announce_sidecar(
+    deployment: dict[str, Any], role: str, kv: dict[str, Any], host: str, port: int
+) -> None:
+    vllm = container(deployment, "vllm")
+    sidecar = container(deployment, "announce")
+    argv = sidecar["command"]
+    assert argv[:2] == ["pdproxy", "announce"]
+    # `pdproxy announce` is being added to the CLI: its agreed flags, each given once.
+    flags = [arg for arg in argv[2:] if arg.startswith("--")]
+    assert sorted(flags) == sorted(ANNOUNCE_FLAGS)
+    # As the kubelet runs it (with $(POD_IP) expanded), through pdproxy's real parser.
+    parsed = parse_pdproxy([arg.replace("$(POD_IP)", "10.1.2.3") for arg in argv])
+    assert parsed.command == "announce"
+    assert parsed.registry == f"{host}:{port}"
+    http_port = kv["kv_connector_extra_config"]["http_port"]
+    assert flag_value(argv, "--role") == {"prefill": "P", "decode": "D"}[role]
+    assert flag_value(argv, "--registry") == f"{host}:{port}"
+    assert flag_value(argv, "--http-address") == f"$(POD_IP):{http_port}"
+    assert flag_value(argv, "--zmq-address") == f"$(POD_IP):{kv['kv_port']}"
+    assert flag_value(argv, "--metrics-url") == f"http://$(POD_IP):{http_port}/metrics"
+    assert flag_value(argv, "--model") == flag_value(vllm["args"], "--served-model-name")
+    connector = {"PdproxyConnector": "pdproxy", "P2pNcclConnector": "p2p_nccl"}
+    assert flag_value(argv, "--connector") == connector[kv["kv_connector"]]
+    _env_refs_resolve(sidecar)
+    assert sidecar["securityContext"]["runAsNonRoot"] is True
+    assert sidecar["securityContext"]["readOnlyRootFilesystem"] is True
+
+
+def test_fleet_is_off_by_default() -> None:
+    assert render({}).fleet() == []
+
+
+def test_both_connectors_are_rendered() -> None:
+    connectors = set()
+    for name in FLEET_SETS:
+        for deployment in render(VALUE_SETS[name]).fleet():
+            args = container(deployment, "vllm")["args"]
+            connectors.add(json.loads(flag_value(args, "--kv-transfer-config"))["kv_connector"])
+    assert connectors == {"P2pNcclConnector", "PdproxyConnector"}
+
+
+def test_fleet_example_is_two_prefill_two_decode() -> None:
+    rendered = render(VALUE_SETS["fleet-2p2d"])
+    replicas = {
+        d["metadata"]["labels"]["app.kubernetes.io/component"]: d["spec"]["replicas"]
+        for d in rendered.fleet()
+    }
+    assert replicas == {"prefill": 2, "decode": 2}
+
+
+def test_registry_dns_follows_namespace_and_cluster_domain() -> None:
+    values = {**VALUE_SETS["fleet-2p2d"], "clusterDomain": "corp.internal"}
+    rendered = render(values)
+    for deployment in rendered.fleet():
+        kv = json.loads(flag_value(container(deployment, "vllm")["args"], "--kv-transfer-config"))
+        host = kv["kv_connector_extra_config"]["proxy_ip"]
+        assert host == f"{rendered.fullname}-registry.{NAMESPACE}.svc.corp.internal"
+
+
+def test_notes_name_the_registry_and_warn_about_replicas() -> None:
+    notes = render({}).notes
+    assert f"{render({}).fullname}-registry.{NAMESPACE}.svc.cluster.local:30001" in notes
+    assert "WARNING" not in notes
+    assert "WARNING: more than one proxy replica" in render(VALUE_SETS["all-on"]).notes
+    assert "pdproxy announce" in render(VALUE_SETS["all-on"]).notes
+
+
+def test_proxy_command_is_a_valid_serve_invocation(rendered: Rendered) -> None:
+    spec = container(rendered.proxy_deployment, "pdproxy")
+    args = parse_pdproxy([*spec["command"], *spec["args"]])
+    assert args.command == "serve"
