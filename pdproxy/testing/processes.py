@@ -48,6 +48,7 @@ class ManagedProcess:
     argv: Sequence[str]
     log_path: Path | None = None
     env: dict[str, str] | None = None
+    unset: tuple[str, ...] = ()  # inherited variables the child must not see
     process: subprocess.Popen[bytes] | None = field(default=None, init=False)
     _log: IO[bytes] | None = field(default=None, init=False)
 
@@ -62,7 +63,10 @@ class ManagedProcess:
             stdout=output,
             stderr=subprocess.STDOUT,
             start_new_session=True,
-            env={**os.environ, **(self.env or {})},
+            env={
+                **{k: v for k, v in os.environ.items() if k not in self.unset},
+                **(self.env or {}),
+            },
         )
         return self
 

@@ -161,14 +161,17 @@ class VllmServer:
             "VLLM_CACHE_ROOT": str(self.work / f"{self.name}.vllm-cache"),
             "VLLM_LOGGING_LEVEL": "INFO",
         }
-        # Whole GiB, overriding --kv-cache-memory-bytes (and tripling memory): never inherit it.
-        os.environ.pop("VLLM_CPU_KVCACHE_SPACE", None)
         return env
 
     def start(self, env: VllmEnv, model: Path) -> VllmServer:
         self.work.mkdir(parents=True, exist_ok=True)
         self.process = ManagedProcess(
-            self.name, self.argv(env, model), self.log_path, self.environment()
+            self.name,
+            self.argv(env, model),
+            self.log_path,
+            self.environment(),
+            # Whole GiB, overriding --kv-cache-memory-bytes (and tripling memory): never inherit it.
+            unset=("VLLM_CPU_KVCACHE_SPACE",),
         ).start()
         return self
 
