@@ -5,7 +5,7 @@ from __future__ import annotations
 
 import json
 import time
-from collections.abc import Iterator
+from collections.abc import Callable, Iterator
 from pathlib import Path
 from typing import Any
 
@@ -13,13 +13,17 @@ import msgpack
 import pytest
 import zmq
 
+from pdproxy.testing.fleet import LocalFleet, Worker, WorkerSpec
 from pdproxy.testing.processes import (
     ManagedProcess,
     free_ports,
+    http_json,
     pdproxy_command,
     wait_http_ok,
+    wait_until,
 )
-from tests.integration.support import post_json
+from tests.conftest import FleetFactory
+from tests.integration.support import open_raw_request, post_json
 
 UID = "0123456789abcdef0123456789abcdef"
 
@@ -178,3 +182,68 @@ def test_announcements_on_the_wire(tmp_path: Path, announce: str) -> None:
             "kv_layout",
         }
     json.dumps(p_frame)  # plain data only
+
+
+def announced_load(fleet: LocalFleet, http_address: str) -> dict[str, Any] | None:
+    for item in fleet.instances():
+        if item["http_address"] == http_address:
+            load: dict[str, Any] | None = item["load"]
+            return load
+    return None
+
+
+def wait_load(
+    fleet: LocalFleet, worker: Worker, check: Callable[[dict[str, Any]], bool], what: str
+) -> dict[str, Any]:
+    seen: list[dict[str, Any] | None] = [None]
+
+    def arrived() -> bool:
+        seen[0] = announced_load(fleet, worker.http_address)
+        return seen[0] is not None and check(seen[0])
+
+    wait_until(arrived, 10, f"{what} (last announced: {seen[0]})", fleet.processes())
+    assert seen[0] is not None
+    return seen[0]
+
+
+IDLE = {"running": 0, "waiting": 0, "kv_usage": 0.0}
+
+
+def test_announced_load_is_measured_and_can_be_forced(fleet_factory: FleetFactory) -> None:
+    capacity = 64
+    fleet = fleet_factory(
+        [WorkerSpec("D", token_latency_ms=50, extra_args=("--kv-capacity-tokens", str(capacity)))]
+    )
+    decode = fleet.role("D")[0]
+    wait_load(fleet, decode, lambda load: load == IDLE, "an idle load")
+
+    # A streamed request that would run for 20 s holds its prompt's and tokens' KV meanwhile.
+    prompt = "one two three four"
+    stream = {"model": "fake-model", "prompt": prompt, "max_tokens": 400, "stream": True}
+    sock = open_raw_request(decode.url + "/v1/completions", stream)
+    try:
+        busy = wait_load(
+            fleet,
+            decode,
+            lambda load: load["running"] == 1 and load["kv_usage"] > 0,
+            "one running request",
+        )
+        assert busy["waiting"] == 0
+        assert 4 / capacity <= busy["kv_usage"] <= 1.0
+        measured = http_json(decode.url + "/_fake/load")["measured"]
+        assert measured["running"] == 1 and measured["kv_usage"] >= 4 / capacity
+    finally:
+        sock.close()  # the worker aborts the request and lets its KV go
+    wait_load(fleet, decode, lambda load: load == IDLE, "the load after the abort")
+
+    forced = {"running": 7, "waiting": 3, "kv_usage": 0.5}
+    answer = post_json(decode.url + "/_fake/load", forced)
+    assert answer.status == 200 and answer.json()["announced"] == forced
+    wait_load(fleet, decode, lambda load: load == forced, "the forced load")
+    # Forcing one field keeps the others measured; {} is measured again.
+    assert post_json(decode.url + "/_fake/load", {"kv_usage": 0.25}).status == 200
+    wait_load(fleet, decode, lambda load: load == {**IDLE, "kv_usage": 0.25}, "kv_usage only")
+    assert post_json(decode.url + "/_fake/load", {}).status == 200
+    wait_load(fleet, decode, lambda load: load == IDLE, "the measured load again")
+    for bad in ({"kv_usage": 1.5}, {"running": -1}, {"running": True}, {"load": 1}):
+        assert post_json(decode.url + "/_fake/load", bad).status == 400

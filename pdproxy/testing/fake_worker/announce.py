@@ -32,7 +32,7 @@ ANNOUNCE_LINGER_MS = 500  # long enough for a final "leave" to get out, short en
 LEAVE_SEND_TIMEOUT_S = 0.5
 
 
-def announce_message(cfg: WorkerConfig, op: str, running: int) -> dict[str, Any]:
+def announce_message(cfg: WorkerConfig, op: str, load: WorkerLoad) -> dict[str, Any]:
     identity = WorkerIdentity(
         role=cfg.role,
         http_address=str(cfg.http),
@@ -45,7 +45,7 @@ def announce_message(cfg: WorkerConfig, op: str, running: int) -> dict[str, Any]
         return v0_message(identity)  # byte-for-byte what stock vLLM's P2pNcclEngine sends
     if op == "leave":
         return leave_message(identity)
-    return worker_announce_message(identity, WorkerLoad(running=running, waiting=0, kv_usage=0.0))
+    return worker_announce_message(identity, load)
 
 
 async def send_frame(sock: zmq.asyncio.Socket, message: dict[str, Any], timeout_s: float) -> bool:
@@ -58,10 +58,10 @@ async def send_frame(sock: zmq.asyncio.Socket, message: dict[str, Any], timeout_
 
 
 async def announce_forever(
-    cfg: WorkerConfig, sock: zmq.asyncio.Socket, running: Callable[[], int]
+    cfg: WorkerConfig, sock: zmq.asyncio.Socket, load: Callable[[], WorkerLoad]
 ) -> None:
     while True:
-        message = announce_message(cfg, "announce", running())
+        message = announce_message(cfg, "announce", load())
         await send_frame(sock, message, cfg.announce_interval_s)
         await asyncio.sleep(cfg.announce_interval_s)
 
@@ -81,16 +81,16 @@ async def start_announcing(
     stack: contextlib.AsyncExitStack,
     ctx: zmq.asyncio.Context,
     cfg: WorkerConfig,
-    running: Callable[[], int],
+    load: Callable[[], WorkerLoad],
 ) -> None:
     sock = registry_socket(ctx, cfg)
     stack.callback(sock.close, ANNOUNCE_LINGER_MS)
 
     async def leave() -> None:
         if cfg.announce == "v1":
-            await send_frame(sock, announce_message(cfg, "leave", 0), LEAVE_SEND_TIMEOUT_S)
+            await send_frame(sock, announce_message(cfg, "leave", load()), LEAVE_SEND_TIMEOUT_S)
 
     stack.push_async_callback(leave)  # runs after the loop below is cancelled
     stack.push_async_callback(
-        cancel_task, asyncio.get_running_loop().create_task(announce_forever(cfg, sock, running))
+        cancel_task, asyncio.get_running_loop().create_task(announce_forever(cfg, sock, load))
     )

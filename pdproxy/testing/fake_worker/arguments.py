@@ -5,7 +5,7 @@ from __future__ import annotations
 import argparse
 
 from pdproxy.ids import Address, AddressError, make_address, parse_address
-from pdproxy.testing.fake_worker.config import Geometry, WorkerConfig
+from pdproxy.testing.fake_worker.config import CONNECTOR_KINDS, Geometry, WorkerConfig
 
 
 def port(text: str) -> int:
@@ -70,8 +70,10 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
         "--announce",
         choices=("v0", "v1"),
         default="v0",
-        help="announcement format: v0 as stock vLLM, v1 with model/geometry/load "
-        "(default: %(default)s)",
+        help="announcement format: v0 as stock vLLM, v1 with model/geometry/load; the v1 load is "
+        "measured (running requests, waiting 0, kv_usage from --kv-capacity-tokens) unless a test "
+        'forces it with POST /_fake/load {"running": N, "waiting": N, "kv_usage": 0..1} (a null '
+        "or absent field stays measured; GET /_fake/load shows both) (default: %(default)s)",
     )
     add(
         "--announce-interval",
@@ -100,7 +102,8 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
         type=positive,
         default=5.0,
         metavar="SECONDS",
-        help="how long a decode worker waits for a request's KV payload (default: %(default)s)",
+        help="how long a decode worker waits for a request's KV payload, and how long a nixl "
+        "or pdproxy prefill holds one for its decode to read (default: %(default)s)",
     )
     add(
         "--max-model-len",
@@ -108,9 +111,26 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
         default=4096,
         help="context length: prompt tokens + max_tokens may not exceed it (default: %(default)s)",
     )
-    geometry = parser.add_argument_group("v1 announcement (geometry and connector)")
+    add(
+        "--kv-capacity-tokens",
+        type=positive_int,
+        default=65536,
+        metavar="TOKENS",
+        help="KV cache size: the announced kv_usage is the in-flight prompt and generated "
+        "tokens over this, at most 1 (default: %(default)s)",
+    )
+    geometry = parser.add_argument_group(
+        "KV connector and geometry (announced in v1, carried with the KV and checked by a decode)"
+    )
     add = geometry.add_argument
-    add("--connector", default="p2p_nccl", help="announced connector (default: %(default)s)")
+    add(
+        "--connector",
+        choices=CONNECTOR_KINDS,
+        default="p2p_nccl",
+        help="p2p_nccl: the prefill pushes KV to the decode named in X-Request-Id; nixl and "
+        "pdproxy: the decode reads it from the prefill named in kv_transfer_params "
+        "(default: %(default)s)",
+    )
     add(
         "--tp-size",
         type=positive_int,
@@ -148,6 +168,7 @@ def config_from_args(args: argparse.Namespace) -> WorkerConfig:
         prefill_latency_s=args.prefill_latency_ms / 1000.0,
         kv_timeout_s=args.kv_timeout,
         max_model_len=args.max_model_len,
+        kv_capacity_tokens=args.kv_capacity_tokens,
         connector=args.connector,
         geometry=Geometry(
             tp_size=args.tp_size,

@@ -13,8 +13,9 @@ from pdproxy.testing.fake_worker.server import run_worker
 
 DESCRIPTION = (
     "Run a fake vLLM prefill or decode worker: OpenAI endpoints with deterministic text, "
-    "P2pNcclConnector-style KV handoff over ZMQ, registry announcements, and /_fake/ control "
-    "endpoints for tests."
+    "P2pNcclConnector-style (push by request id) or NixlConnector-style (kv_transfer_params, "
+    "decode reads) KV handoff over ZMQ with a geometry check, registry announcements, and "
+    "/_fake/ control endpoints for tests."
 )
 
 

@@ -1,4 +1,4 @@
-"""What one fake worker is: its role, addresses, model, latencies and announced geometry."""
+"""What one fake worker is: its role, addresses, model, latencies, connector and geometry."""
 
 from __future__ import annotations
 
@@ -8,6 +8,12 @@ from typing import Literal
 from pdproxy.ids import Address
 
 Role = Literal["P", "D"]
+ConnectorKind = Literal["p2p_nccl", "nixl", "pdproxy"]
+CONNECTOR_KINDS: tuple[ConnectorKind, ...] = ("p2p_nccl", "nixl", "pdproxy")
+# Connectors whose decode reads the KV from the prefill named in kv_transfer_params (vLLM's NIXL
+# flow). p2p_nccl and pdproxy's own connector push to the decode named in the request id
+# (pdproxy with nixl's geometry rules, keyed by the tag's uuid).
+PULL_CONNECTORS: frozenset[str] = frozenset({"nixl"})
 
 
 @dataclass(frozen=True, slots=True)
@@ -35,5 +41,10 @@ class WorkerConfig:
     prefill_latency_s: float
     kv_timeout_s: float
     max_model_len: int
-    connector: str
+    kv_capacity_tokens: int
+    connector: ConnectorKind
     geometry: Geometry
+
+    @property
+    def pulls_kv(self) -> bool:
+        return self.connector in PULL_CONNECTORS

@@ -9,14 +9,16 @@ from aiohttp.typedefs import Handler
 
 from pdproxy.testing.fake_worker.behaviour import Behaviour, parse_behaviour
 from pdproxy.testing.fake_worker.http_json import ApiError, json_response, parse_json_object
+from pdproxy.testing.fake_worker.load import LoadTracker, parse_forced_load
 from pdproxy.testing.fake_worker.records import Records, stamp
 
 
 class Control:
-    """The records and the injected behaviour, and the routes that expose them."""
+    """The records, the injected behaviour and the load, and the routes that expose them."""
 
-    def __init__(self, records: Records) -> None:
+    def __init__(self, records: Records, load: LoadTracker) -> None:
         self.records = records
+        self.load = load
         self.behaviour = Behaviour()
 
     def add_routes(self, router: web.UrlDispatcher) -> None:
@@ -25,6 +27,8 @@ class Control:
         router.add_get("/_fake/behaviour", self.get_behaviour)
         router.add_post("/_fake/behaviour", self.set_behaviour)
         router.add_post("/_fake/reset", self.fake_reset)
+        router.add_get("/_fake/load", self.get_load)
+        router.add_post("/_fake/load", self.set_load)
 
     @web.middleware
     async def record_request(self, request: web.Request, handler: Handler) -> web.StreamResponse:
@@ -54,6 +58,17 @@ class Control:
         except ApiError as err:
             return err.response()
         return json_response(self.behaviour.as_json())
+
+    async def get_load(self, request: web.Request) -> web.StreamResponse:
+        return json_response(self.load.as_json())
+
+    async def set_load(self, request: web.Request) -> web.StreamResponse:
+        """Force the announced load from the next announcement on; {} goes back to measured."""
+        try:
+            self.load.forced = parse_forced_load(parse_json_object(await request.read()))
+        except ApiError as err:
+            return err.response()
+        return json_response(self.load.as_json())
 
     async def fake_reset(self, request: web.Request) -> web.StreamResponse:
         self.records.clear()

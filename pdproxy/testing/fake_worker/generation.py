@@ -26,6 +26,10 @@ class Generation:
     stream: bool
     include_usage: bool
 
+    @property
+    def prompt_tokens(self) -> int:
+        return sum(p.tokens for p in self.prompts)
+
 
 def text_prompt(text: str) -> Prompt:
     return Prompt(text, len(text.split()))

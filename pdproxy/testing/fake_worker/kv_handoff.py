@@ -1,111 +1,97 @@
-"""The checks a tagged X-Request-Id triggers before the first token, as P2pNcclConnector does.
+"""What happens before a request's first token: compute the prompt, or hand its KV over.
 
-A prefill worker pushes the request's KV to the decode address vLLM's regex finds in the id; a
-decode worker waits for it and checks it came from the prefill the id names, for its own prompt.
-Any mismatch is a loud HTTP 500, so a proxy that tags or pairs wrongly cannot pass unnoticed.
+The connector picks the flow. p2p_nccl: the request id's tag decides (kv_push_flow). nixl and
+pdproxy: kv_transfer_params decide and the tag is only a label (kv_pull_flow). A decode asked
+for no KV computes the prompt itself (conditional disaggregation: short prompts skip the
+prefill) and says so with a computed_locally event.
 """
 
 from __future__ import annotations
 
-import hashlib
-import re
-import uuid
+from typing import Any
 
-import zmq
-
-from pdproxy.ids import VLLM_DECODE_SIDE, VLLM_PREFILL_SIDE
 from pdproxy.testing.fake_worker.asyncio_helpers import sleep
 from pdproxy.testing.fake_worker.config import WorkerConfig
 from pdproxy.testing.fake_worker.generation import Generation
-from pdproxy.testing.fake_worker.http_json import ApiError
-from pdproxy.testing.fake_worker.kv_store import KvStore
-from pdproxy.testing.fake_worker.kv_transport import KvSender
+from pdproxy.testing.fake_worker.kv_accept import kv_failure
+from pdproxy.testing.fake_worker.kv_params import ParamsError, leg
+from pdproxy.testing.fake_worker.kv_pull_flow import PullFlow
+from pdproxy.testing.fake_worker.kv_push_flow import PushFlow
 from pdproxy.testing.fake_worker.records import Records, stamp
 
 
-def engine_request_id(header_id: str, chat: bool) -> str:
-    """The id vLLM's engine (and so its connector regexes) sees for X-Request-Id."""
-    suffix = uuid.uuid4().hex[:8]
-    return f"chatcmpl-{header_id}-{suffix}" if chat else f"cmpl-{header_id}-0-{suffix}"
-
-
-def regex_address(pattern: re.Pattern[str], engine_id: str) -> str | None:
-    """ "host:port" as vLLM's greedy regex captures it, unvalidated (as vLLM uses it)."""
-    match = pattern.search(engine_id)
-    return None if match is None else f"{match[1]}:{int(match[2])}"
-
-
-def kv_payload(generation: Generation) -> bytes:
-    """What a P "computes" for a request; a D checks it got the KV of its own prompt."""
-    return hashlib.sha256("\x00".join(p.text for p in generation.prompts).encode()).digest()
-
-
 class KvHandoff:
-    """One worker's side of the handoff: pushing (P) or awaiting and checking (D)."""
-
-    def __init__(
-        self, cfg: WorkerConfig, store: KvStore, sender: KvSender, records: Records
-    ) -> None:
+    def __init__(self, cfg: WorkerConfig, records: Records, push: PushFlow, pull: PullFlow) -> None:
         self.cfg = cfg
-        self.store = store
-        self.sender = sender
         self.records = records
+        self.push = push
+        self.pull = pull
 
-    async def before_first_token(self, header_id: str | None, generation: Generation) -> None:
-        """Prefill latency and the KV handoff a tagged id asks for; raises ApiError on failure."""
-        engine_id = None if header_id is None else engine_request_id(header_id, generation.chat)
+    async def before_first_token(
+        self,
+        request_id: str,
+        header_id: str | None,
+        params: dict[str, Any] | None,
+        generation: Generation,
+    ) -> dict[str, Any] | None:
+        """Raises ApiError on failure; returns the kv_transfer_params a nixl/pdproxy prefill
+        answers with, if it holds KV for a remote decode."""
+        if self.cfg.pulls_kv:
+            return await self._by_params(request_id, header_id, params, generation)
+        await self._by_request_id(header_id, request_id, generation)
+        return None
+
+    async def _by_request_id(
+        self, header_id: str | None, request_id: str, generation: Generation
+    ) -> None:
         if self.cfg.role == "P":
             await sleep(self.cfg.prefill_latency_s)
-            decode = None if engine_id is None else regex_address(VLLM_PREFILL_SIDE, engine_id)
+            decode = self.push.decode_address(header_id, generation.chat)
             if header_id is not None and decode is not None:
-                await self._push_kv(header_id, decode, generation)
+                await self.push.push(header_id, decode, generation)
             return
-        prefill = None if engine_id is None else regex_address(VLLM_DECODE_SIDE, engine_id)
-        if header_id is not None and engine_id is not None and prefill is not None:
-            await self._await_kv(header_id, engine_id, prefill, generation)
-        else:  # untagged: this D computes the prompt itself
-            await sleep(self.cfg.prefill_latency_s)
-
-    async def _push_kv(self, request_id: str, decode: str, generation: Generation) -> None:
-        try:
-            await self.sender.push(
-                decode, request_id, kv_payload(generation), self.cfg.kv_timeout_s
-            )
-        except (zmq.ZMQError, TimeoutError) as err:
-            reason = "send_timeout" if isinstance(err, TimeoutError) else "send_error"
-            self.records.add("kv_failed", {"request_id": request_id, "reason": reason, **stamp()})
-            raise ApiError(
-                500, f"fake prefill: cannot push KV for request {request_id} to decode {decode}"
-            ) from None
-        self.records.add("kv_sent", {"request_id": request_id, "to": decode, **stamp()})
-
-    async def _await_kv(
-        self, request_id: str, engine_id: str, prefill: str, generation: Generation
-    ) -> None:
-        item = await self.store.wait(request_id, self.cfg.kv_timeout_s)
-        if item is None:
-            reason = "timeout"
-            message = (
-                f"fake decode: no KV for request {request_id} from prefill {prefill} "
-                f"within {self.cfg.kv_timeout_s}s"
-            )
-            named_decode = regex_address(VLLM_PREFILL_SIDE, engine_id)
-            if named_decode is not None and named_decode != str(self.cfg.kv):
-                message += f" (the id names decode {named_decode}, this worker is {self.cfg.kv})"
-        elif item.sender != prefill:
-            reason = "wrong_sender"
-            message = (
-                f"fake decode: KV for request {request_id} came from {item.sender}, "
-                f"but the request id names prefill {prefill}"
-            )
-        elif item.payload != kv_payload(generation):
-            reason = "payload_mismatch"
-            message = (
-                f"fake decode: KV for request {request_id} from {item.sender} was computed "
-                "for a different prompt"
-            )
+        tagged = self.push.prefill_address(header_id, generation.chat)
+        if header_id is not None and tagged is not None:
+            await self.push.await_kv(header_id, *tagged, generation)
         else:
-            self.records.add("kv_ok", request_id)
-            return
-        self.records.add("kv_failed", {"request_id": request_id, "reason": reason, **stamp()})
-        raise ApiError(500, message)
+            await self._compute_locally(request_id)
+
+    async def _by_params(
+        self,
+        request_id: str,
+        header_id: str | None,
+        params: dict[str, Any] | None,
+        generation: Generation,
+    ) -> dict[str, Any] | None:
+        try:
+            asked = leg(params)
+        except ParamsError as err:
+            raise self._failure(request_id, "bad_params", f"kv_transfer_params: {err}") from None
+        if self.cfg.role == "P":
+            if asked == "remote_prefill":
+                raise self._failure(
+                    request_id, "wrong_role", "asked to decode (do_remote_prefill) on a prefill"
+                )
+            await sleep(self.cfg.prefill_latency_s)
+            if asked == "remote_decode":
+                return self.pull.hold(request_id, header_id, generation)
+            return None
+        if asked == "remote_decode":
+            raise self._failure(
+                request_id, "wrong_role", "asked to prefill (do_remote_decode) on a decode"
+            )
+        if asked == "remote_prefill":
+            assert params is not None
+            await self.pull.read(request_id, params, generation)
+        else:
+            await self._compute_locally(request_id)
+        return None
+
+    async def _compute_locally(self, request_id: str) -> None:
+        self.records.add("computed_locally", {"request_id": request_id, **stamp()})
+        await sleep(self.cfg.prefill_latency_s)
+
+    def _failure(self, request_id: str, reason: str, what: str) -> Exception:
+        role = "prefill" if self.cfg.role == "P" else "decode"
+        message = f"fake {role} {self.cfg.kv} ({self.cfg.connector}): request {request_id}: {what}"
+        return kv_failure(self.records, request_id, reason, message)

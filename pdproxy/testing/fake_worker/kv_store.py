@@ -1,4 +1,4 @@
-"""KV payloads a decode worker received, and the requests waiting for theirs."""
+"""KV payloads a p2p_nccl decode worker was pushed, and the requests waiting for theirs."""
 
 from __future__ import annotations
 
@@ -7,6 +7,8 @@ import time
 from collections import OrderedDict
 from dataclasses import dataclass
 
+from pdproxy.testing.fake_worker.kv_payload import KvPayload
+
 KV_STORE_LIMIT = 10_000
 KV_STORE_TTL_S = 60.0
 
@@ -14,7 +16,7 @@ KV_STORE_TTL_S = 60.0
 @dataclass(frozen=True, slots=True)
 class KvItem:
     sender: str
-    payload: bytes
+    payload: KvPayload
     arrived: float  # monotonic
 
 

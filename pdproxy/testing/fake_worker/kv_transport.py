@@ -1,7 +1,6 @@
-"""KV payloads over ZMQ: a prefill worker PUSHes, a decode worker PULLs into its store.
-
-A frame is [b"kv", request_id, sender zmq address, payload].
-"""
+"""KV messages over ZMQ (the frames are in kv_wire): every worker serves a ROUTER on its KV
+port, which stores pushed KV (p2p_nccl decode) and answers pulls (nixl/pdproxy prefill); a
+prefill pushes through DEALERs, and a decode pulls through a DEALER of its own per request."""
 
 from __future__ import annotations
 
@@ -13,41 +12,91 @@ from collections import OrderedDict
 import zmq
 import zmq.asyncio
 
+from pdproxy.testing.fake_worker.kv_held import HeldTransfers
 from pdproxy.testing.fake_worker.kv_store import KvItem, KvStore
+from pdproxy.testing.fake_worker.kv_wire import (
+    MAX_KV_MESSAGE_BYTES,
+    Pull,
+    PullReply,
+    Push,
+    WireError,
+    decode,
+    encode,
+)
 from pdproxy.testing.fake_worker.records import Records, stamp
 
 log = logging.getLogger("pdproxy.testing.fake_worker")
 
-KV_SENDER_CACHE = 64  # PUSH sockets kept open, one per decode destination
+KV_SENDER_CACHE = 64  # push sockets kept open, one per decode destination
 KV_SNDHWM = 1000
-KV_FRAME_TAG = b"kv"
 
 
-async def receive_kv(sock: zmq.asyncio.Socket, store: KvStore, records: Records) -> None:
-    """Pull [b"kv", request_id, sender zmq address, payload] frames into the store, forever."""
+def kv_socket(ctx: zmq.asyncio.Context, kind: int) -> zmq.asyncio.Socket:
+    sock = ctx.socket(kind)
+    sock.setsockopt(zmq.LINGER, 0)
+    sock.setsockopt(zmq.MAXMSGSIZE, MAX_KV_MESSAGE_BYTES)  # a bigger frame drops the peer
+    return sock
+
+
+async def serve_kv(
+    sock: zmq.asyncio.Socket, store: KvStore, held: HeldTransfers, records: Records
+) -> None:
+    """Handle [peer identity, frame] messages on the KV port's ROUTER, forever."""
     while True:
         frames = await sock.recv_multipart()
-        if len(frames) != 4 or frames[0] != KV_FRAME_TAG:
-            log.warning("fake worker: ignoring a malformed KV message (%d frames)", len(frames))
+        if len(frames) != 2:
+            log.warning("fake worker: ignoring a KV message of %d frames", len(frames))
             continue
+        identity, frame = frames
         try:
-            request_id, sender = frames[1].decode(), frames[2].decode()
-        except UnicodeDecodeError:
-            log.warning("fake worker: ignoring a KV message with a non-UTF-8 id or sender")
+            message = decode(frame)
+        except WireError as err:
+            log.warning("fake worker: ignoring a malformed KV message: %s", err)
             continue
-        store.put(request_id, KvItem(sender, frames[3], time.monotonic()))
-        records.add(
-            "kv_received",
-            {"request_id": request_id, "sender": sender, "bytes": len(frames[3]), **stamp()},
-        )
+        if isinstance(message, Push):
+            store.put(message.request_id, KvItem(message.sender, message.payload, time.monotonic()))
+            records.add(
+                "kv_received",
+                {"request_id": message.request_id, "sender": message.sender, **stamp()},
+            )
+        elif isinstance(message, Pull):
+            reply = held.answer(message)
+            entry = {"transfer_id": message.transfer_id, "requester": message.requester}
+            if reply.error is None:
+                records.add("kv_served", {**entry, **stamp()})
+            else:
+                records.kv_failed(reply.error, **entry)
+            # A ROUTER never blocks: a reply to a peer that went away is dropped.
+            await sock.send_multipart([identity, encode(reply)])
+        else:
+            log.warning("fake worker: ignoring a pull reply nobody asked this port for")
+
+
+async def pull_kv(
+    ctx: zmq.asyncio.Context, address: str, pull: Pull, timeout_s: float
+) -> PullReply:
+    """Ask the prefill at `address` for its held KV; raises TimeoutError (nothing answered
+    within timeout_s), zmq.ZMQError or WireError."""
+    sock = kv_socket(ctx, zmq.DEALER)
+    try:
+        sock.connect(f"tcp://{address}")
+        # One socket per pull, so its only reply is the answer to this pull.
+        async with asyncio.timeout(timeout_s):
+            await sock.send(encode(pull))
+            reply = decode(await sock.recv())
+    finally:
+        sock.close(linger=0)
+    if not isinstance(reply, PullReply) or reply.transfer_id != pull.transfer_id:
+        raise WireError(f"expected the pull reply for transfer {pull.transfer_id}")
+    return reply
 
 
 class KvSender:
-    """PUSH sockets to decode workers, one per destination, least recently used closed first."""
+    """DEALER sockets to decode workers, one per destination, least recently used closed first."""
 
     def __init__(self, ctx: zmq.asyncio.Context, own_address: str) -> None:
         self._ctx = ctx
-        self._own = own_address.encode()
+        self.own_address = own_address
         self._sockets: OrderedDict[str, zmq.asyncio.Socket] = OrderedDict()
 
     def _socket(self, destination: str) -> zmq.asyncio.Socket:
@@ -55,8 +104,7 @@ class KvSender:
         if sock is not None:
             self._sockets.move_to_end(destination)
             return sock
-        sock = self._ctx.socket(zmq.PUSH)
-        sock.setsockopt(zmq.LINGER, 0)
+        sock = kv_socket(self._ctx, zmq.DEALER)
         sock.setsockopt(zmq.SNDHWM, KV_SNDHWM)
         try:
             sock.connect(f"tcp://{destination}")
@@ -68,13 +116,11 @@ class KvSender:
             self._sockets.popitem(last=False)[1].close(linger=0)
         return sock
 
-    async def push(
-        self, destination: str, request_id: str, payload: bytes, timeout_s: float
-    ) -> None:
-        """Queue the payload for `destination`; raises zmq.ZMQError or TimeoutError."""
-        frames = [KV_FRAME_TAG, request_id.encode(), self._own, payload]
+    async def push(self, destination: str, message: Push, timeout_s: float) -> None:
+        """Queue the message for `destination`; raises zmq.ZMQError, TimeoutError or WireError."""
+        frame = encode(message)
         # asyncio sockets never block the loop, but a full queue would wait forever.
-        await asyncio.wait_for(self._socket(destination).send_multipart(frames), timeout_s)
+        await asyncio.wait_for(self._socket(destination).send(frame), timeout_s)
 
     def close(self) -> None:
         for sock in self._sockets.values():

@@ -8,7 +8,37 @@ from dataclasses import dataclass
 from typing import Any
 
 RECORD_LIMIT = 1000  # each /_fake/ ring keeps the last this many entries
-EVENT_NAMES = ("kv_sent", "kv_received", "kv_ok", "kv_failed", "aborted", "completed")
+# kv_sent / kv_received: a p2p_nccl push left this prefill / reached this decode.
+# kv_held / kv_served: a nixl/pdproxy prefill keeps a request's KV / a decode read it.
+# kv_ok: a decode accepted a request's KV (entry: the request id); kv_failed: a handoff failed
+# (entry: a map with one of KV_FAILURE_REASONS); computed_locally: a decode computed a prompt
+# itself (no KV was asked for).
+EVENT_NAMES = (
+    "kv_sent",
+    "kv_received",
+    "kv_held",
+    "kv_served",
+    "kv_ok",
+    "kv_failed",
+    "computed_locally",
+    "aborted",
+    "completed",
+)
+KV_FAILURE_REASONS = (
+    "send_timeout",  # p2p_nccl prefill: the push could not be queued in time
+    "send_error",  # p2p_nccl prefill: ZMQ refused the push
+    "timeout",  # decode: no KV (pushed or pulled) within --kv-timeout
+    "wrong_sender",  # p2p_nccl decode: KV came from another prefill than the request id names
+    "geometry_mismatch",  # decode: the prefill's connector or geometry does not fit this one's
+    "payload_mismatch",  # decode: the KV was computed for another prompt
+    "bad_params",  # kv_transfer_params are not what a prefill answers
+    "wrong_role",  # nixl/pdproxy: a prefill asked to decode, or a decode asked to prefill
+    "pull_error",  # nixl/pdproxy decode: ZMQ refused the pull
+    "bad_reply",  # nixl/pdproxy decode: the prefill's answer was not a pull reply
+    "engine_id_mismatch",  # the prefill reached is not remote_engine_id
+    "missing_transfer",  # the prefill holds no such transfer (never, expired or already read)
+    "block_ids_mismatch",  # the transfer is held under other block ids
+)
 
 
 def stamp() -> dict[str, float]:
@@ -33,6 +63,10 @@ class Records:
 
     def add(self, event: str, entry: Any) -> None:
         self.events[event].append(entry)
+
+    def kv_failed(self, reason: str, **entry: Any) -> None:
+        assert reason in KV_FAILURE_REASONS, reason
+        self.add("kv_failed", {**entry, "reason": reason, **stamp()})
 
     def add_abort(self, exchange: Exchange) -> None:
         # Both a reset connection and the handler's cancellation may report one abort.

@@ -15,7 +15,7 @@ from aiohttp import web
 from pdproxy.testing.fake_worker.announce import start_announcing
 from pdproxy.testing.fake_worker.asyncio_helpers import cancel_task
 from pdproxy.testing.fake_worker.config import WorkerConfig
-from pdproxy.testing.fake_worker.kv_transport import receive_kv
+from pdproxy.testing.fake_worker.kv_transport import kv_socket, serve_kv
 from pdproxy.testing.fake_worker.worker import FakeWorker
 
 HTTP_SHUTDOWN_TIMEOUT_S = 1.0
@@ -44,9 +44,9 @@ async def run_worker(cfg: WorkerConfig) -> int:
             loop.add_signal_handler(signum, stop.set)
             stack.callback(loop.remove_signal_handler, signum)
 
-        kv_socket = ctx.socket(zmq.PULL)
-        kv_socket.setsockopt(zmq.LINGER, 0)
-        stack.callback(kv_socket.close, 0)
+        # One ROUTER serves both flows: p2p_nccl pushes arrive here, nixl pulls are answered.
+        kv_router = kv_socket(ctx, zmq.ROUTER)
+        stack.callback(kv_router.close, 0)
         runner = web.AppRunner(
             worker.build_app(),
             handler_cancellation=True,
@@ -54,7 +54,7 @@ async def run_worker(cfg: WorkerConfig) -> int:
             shutdown_timeout=HTTP_SHUTDOWN_TIMEOUT_S,
         )
         try:
-            kv_socket.bind(f"tcp://{zmq_bind_host(cfg.kv.host)}:{cfg.kv.port}")
+            kv_router.bind(f"tcp://{zmq_bind_host(cfg.kv.host)}:{cfg.kv.port}")
             await runner.setup()
             stack.push_async_callback(runner.cleanup)
             await web.TCPSite(runner, cfg.http.host, cfg.http.port).start()
@@ -62,13 +62,13 @@ async def run_worker(cfg: WorkerConfig) -> int:
             print(f"fake-worker: cannot bind: {err}", file=sys.stderr)
             return 1
 
-        stack.push_async_callback(
-            cancel_task, loop.create_task(receive_kv(kv_socket, worker.kv_store, worker.records))
-        )
+        serving = serve_kv(kv_router, worker.kv_store, worker.kv_held, worker.records)
+        stack.push_async_callback(cancel_task, loop.create_task(serving))
         if cfg.proxy is not None:
-            await start_announcing(stack, ctx, cfg, lambda: worker.in_flight)
+            await start_announcing(stack, ctx, cfg, worker.load.announced)
         print(
-            f"fake-worker ready: role={cfg.role} http={cfg.http} kv={cfg.kv} model={cfg.model}",
+            f"fake-worker ready: role={cfg.role} http={cfg.http} kv={cfg.kv} model={cfg.model} "
+            f"connector={cfg.connector} engine_id={worker.engine_id}",
             flush=True,
         )
         await stop.wait()

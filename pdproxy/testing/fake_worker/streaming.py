@@ -3,7 +3,7 @@
 from __future__ import annotations
 
 import json
-from collections.abc import AsyncIterator
+from collections.abc import AsyncIterator, Callable
 from typing import Any
 
 from pdproxy.testing.fake_worker.asyncio_helpers import sleep
@@ -38,8 +38,12 @@ def stream_choice(
 
 
 async def chunks(
-    env: Envelope, generation: Generation, token_latency_s: float
+    env: Envelope,
+    generation: Generation,
+    token_latency_s: float,
+    generated: Callable[[int], None],
 ) -> AsyncIterator[dict[str, Any]]:
+    """The chunks of a streamed answer; `generated(n)` hears of each step's n new tokens."""
     obj = "chat.completion.chunk" if generation.chat else "text_completion"
     words = [generated_words(p.text, generation.max_tokens) for p in generation.prompts]
     if generation.chat:  # vLLM opens each chat choice with a role-only delta
@@ -48,6 +52,7 @@ async def chunks(
             yield env.wrap(obj, [stream_choice(generation, index, role, None)])
     for step in range(generation.max_tokens):
         await sleep(token_latency_s)
+        generated(len(words))
         finish = finish_reason(step, generation)
         for index, prompt_words in enumerate(words):
             text = f" {prompt_words[step]}"

@@ -5,6 +5,7 @@ from __future__ import annotations
 import asyncio
 import time
 import uuid
+from typing import Any
 
 import zmq.asyncio
 from aiohttp import web
@@ -15,8 +16,13 @@ from pdproxy.testing.fake_worker.control import Control
 from pdproxy.testing.fake_worker.generation import Generation, check_model, parse_generation
 from pdproxy.testing.fake_worker.http_json import ApiError, json_response, parse_json_object
 from pdproxy.testing.fake_worker.kv_handoff import KvHandoff
+from pdproxy.testing.fake_worker.kv_held import HeldTransfers
+from pdproxy.testing.fake_worker.kv_params import request_params
+from pdproxy.testing.fake_worker.kv_pull_flow import PullFlow
+from pdproxy.testing.fake_worker.kv_push_flow import PushFlow
 from pdproxy.testing.fake_worker.kv_store import KvStore
 from pdproxy.testing.fake_worker.kv_transport import KvSender
+from pdproxy.testing.fake_worker.load import LoadTracker, Share
 from pdproxy.testing.fake_worker.records import Exchange, Records
 from pdproxy.testing.fake_worker.responses import Envelope, full_response
 from pdproxy.testing.fake_worker.streaming import SSE_DONE, chunks, sse
@@ -30,11 +36,19 @@ class FakeWorker:
     def __init__(self, cfg: WorkerConfig, ctx: zmq.asyncio.Context) -> None:
         self.cfg = cfg
         self.records = Records()
-        self.control = Control(self.records)
+        self.load = LoadTracker(cfg.kv_capacity_tokens)
+        self.control = Control(self.records, self.load)
+        # A fresh engine id per start, as vLLM's: a restarted prefill is another engine.
+        self.engine_id = str(uuid.uuid4())
         self.kv_store = KvStore()
+        self.kv_held = HeldTransfers(self.engine_id, cfg.kv_timeout_s)
         self.kv_sender = KvSender(ctx, str(cfg.kv))
-        self.kv_handoff = KvHandoff(cfg, self.kv_store, self.kv_sender, self.records)
-        self.in_flight = 0
+        self.kv_handoff = KvHandoff(
+            cfg,
+            self.records,
+            PushFlow(cfg, self.kv_store, self.kv_sender, self.records),
+            PullFlow(cfg, self.kv_held, ctx, self.records),
+        )
         self.started = int(time.time())
 
     def build_app(self) -> web.Application:
@@ -73,15 +87,12 @@ class FakeWorker:
         header_id = request.headers.get("X-Request-Id")
         response_id = f"{'chatcmpl' if chat else 'cmpl'}-{header_id or uuid.uuid4().hex}"
         exchange = Exchange(header_id or response_id, request.path)
-        self.in_flight += 1
         try:
             return await self._answer(request, chat, header_id, response_id, exchange)
         except asyncio.CancelledError:
             # handler_cancellation: the client went away (or the server is stopping).
             self.records.add_abort(exchange)
             raise
-        finally:
-            self.in_flight -= 1
 
     async def _answer(
         self,
@@ -99,25 +110,53 @@ class FakeWorker:
             body = parse_json_object(await request.read())
             check_model(body, self.cfg.model)
             generation = parse_generation(body, chat, self.cfg.max_model_len)
-            await self.kv_handoff.before_first_token(header_id, generation)
+            params = request_params(body)
         except ApiError as err:
             return err.response()
-        env = Envelope(response_id, int(time.time()), self.cfg.model)
-        if generation.stream:
-            return await self._stream(request, env, generation, exchange)
-        await sleep(self.cfg.token_latency_s * generation.max_tokens)
+        with self.load.occupy(generation.prompt_tokens) as share:
+            try:
+                answer_params = await self.kv_handoff.before_first_token(
+                    exchange.record_id, header_id, params, generation
+                )
+            except ApiError as err:
+                return err.response()
+            env = Envelope(response_id, int(time.time()), self.cfg.model)
+            if generation.stream:
+                # Like vLLM, a streamed answer carries no kv_transfer_params.
+                return await self._stream(request, env, generation, exchange, share)
+            return await self._whole(env, generation, exchange, share, answer_params)
+
+    async def _whole(
+        self,
+        env: Envelope,
+        generation: Generation,
+        exchange: Exchange,
+        share: Share,
+        kv_transfer_params: dict[str, Any] | None,
+    ) -> web.StreamResponse:
+        for _ in range(generation.max_tokens):  # token by token, so the load grows as it would
+            await sleep(self.cfg.token_latency_s)
+            share.generated(len(generation.prompts))
         self.records.add("completed", exchange.record_id)
-        return json_response(full_response(env, generation))
+        answer = full_response(env, generation)
+        if kv_transfer_params is not None:
+            answer["kv_transfer_params"] = kv_transfer_params
+        return json_response(answer)
 
     async def _stream(
-        self, request: web.Request, env: Envelope, generation: Generation, exchange: Exchange
+        self,
+        request: web.Request,
+        env: Envelope,
+        generation: Generation,
+        exchange: Exchange,
+        share: Share,
     ) -> web.StreamResponse:
         response = web.StreamResponse(
             headers={"Content-Type": "text/event-stream", "Cache-Control": "no-cache"}
         )
         try:
             await response.prepare(request)
-            async for chunk in chunks(env, generation, self.cfg.token_latency_s):
+            async for chunk in chunks(env, generation, self.cfg.token_latency_s, share.generated):
                 await response.write(sse(chunk))
             await response.write(SSE_DONE)
         except ConnectionResetError:
