@@ -18,6 +18,7 @@ import yaml
 from pydantic import BaseModel, ConfigDict, Field, SecretStr, ValidationError, model_validator
 
 from pdproxy.ids import Address, AddressError, parse_address
+from pdproxy.pairing.policies import DecodePolicyName, PrefillPolicyName
 
 ENV_PREFIX = "PDPROXY_"
 MiB = 1024 * 1024
@@ -130,6 +131,47 @@ class Settings(BaseModel):
     upstream_max_connections: int = Field(
         4096, ge=1, description="Cap on upstream exchanges in flight, all instances together."
     )
+    prefill_policy: PrefillPolicyName = Field(
+        "prefix_affinity",
+        description="How a prefill instance is chosen among compatible ones: round_robin, "
+        "least_loaded, power_of_two or prefix_affinity.",
+    )
+    decode_policy: DecodePolicyName = Field(
+        "least_kv",
+        description="How a decode instance is chosen among compatible ones: round_robin, "
+        "least_loaded, power_of_two or least_kv.",
+    )
+    prefix_affinity_tokens: int = Field(
+        256,
+        ge=1,
+        le=65536,
+        description="Leading prompt tokens (about 4 characters each) that identify a prefix "
+        "for prefix_affinity.",
+    )
+    prefix_affinity_load_factor: float = Field(
+        1.25,
+        ge=1.0,
+        le=100.0,
+        description="prefix_affinity passes over a prefill holding more than this many times "
+        "the mean load (bounded-load consistent hashing).",
+    )
+    decode_kv_capacity_tokens: int = Field(
+        262144,
+        ge=1,
+        description="KV capacity of one decode instance in tokens; least_kv weighs tokens in "
+        "flight against announced kv_usage with it.",
+    )
+    allow_unknown_geometry: bool = Field(
+        False,
+        description="Pair an instance of unknown KV geometry (v0) with one whose geometry is "
+        "known (normally they pair only with each other).",
+    )
+    disagg_min_tokens: int = Field(
+        0,
+        ge=0,
+        description="Prompts estimated shorter than this go straight to a decode instance that "
+        "can compute them itself (nixl or pdproxy connector), with no prefill leg; 0: never.",
+    )
     log_level: Literal["debug", "info", "warning", "error"] = Field(
         "info", description="Log level."
     )
@@ -170,6 +212,18 @@ def add_settings_arguments(parser: argparse.ArgumentParser) -> None:
         default = field.get_default(call_default_factory=True)
         shown = "" if isinstance(default, list) or default is None else f" (default: {default})"
         help_text = f"{field.description}{shown} [env {ENV_PREFIX}{name.upper()}]"
+        if field.annotation is bool:
+            # A bare `--flag` means true; `--flag false` is accepted too.
+            parser.add_argument(
+                _flag(name),
+                dest=name,
+                nargs="?",
+                const="true",
+                default=argparse.SUPPRESS,
+                metavar="BOOL",
+                help=help_text.replace("%", "%%"),
+            )
+            continue
         parser.add_argument(
             _flag(name),
             dest=name,

@@ -12,6 +12,7 @@ import contextlib
 from prometheus_client import CollectorRegistry, Counter, Gauge, Histogram
 from prometheus_client.exposition import CONTENT_TYPE_LATEST, generate_latest
 
+from pdproxy.pairing.planner import Unpaired
 from pdproxy.registry.messages import Reason, Role
 
 # Latency buckets from sub-millisecond proxy overhead to multi-minute prefills of long prompts.
@@ -96,6 +97,21 @@ class Metrics:
             ["role", "kind"],
             registry=r,
         )
+        self.unpaired = Counter(
+            "pdproxy_unpaired_requests",
+            "Requests refused (503) because no compatible prefill/decode pair could serve "
+            "them, by reason (no_instance, no_prefill, no_decode, incompatible).",
+            ["reason"],
+            registry=r,
+        )
+        self.direct = Counter(
+            "pdproxy_direct_requests",
+            "Requests with a short prompt sent straight to a decode instance that computes it "
+            "itself (conditional disaggregation: no prefill leg, no KV transfer).",
+            registry=r,
+        )
+        for unpaired in Unpaired:
+            self.unpaired.labels(unpaired.value)
         for role in Role:
             self.registry_instances.labels(role.value)
         for reason in Reason:

@@ -54,7 +54,7 @@ announcements come from stock P2pNcclEngine.
 from __future__ import annotations
 
 from collections.abc import Mapping
-from dataclasses import dataclass
+from dataclasses import dataclass, replace
 from enum import StrEnum
 from types import MappingProxyType
 
@@ -350,6 +350,17 @@ def plan_pair(prefill: Side, decode: Side, *, allow_unknown_geometry: bool = Fal
         block_size_ratio=d.block_size // p.block_size,
         reads=tuple(_reads(p, d, rank, prefill.kv_port) for rank in range(d.tp_size)),
     )
+
+
+def rebased(plan: PairPlan, from_port: int, to_port: int) -> PairPlan:
+    """The same plan for a prefill of the same class whose KV ports start at `to_port`."""
+    if from_port == to_port:
+        return plan
+    shift = to_port - from_port
+    reads = tuple(
+        tuple(replace(read, port=read.port + shift) for read in rank) for rank in plan.reads
+    )
+    return replace(plan, reads=reads)
 
 
 def tp_ratio(prefill_tp: int, decode_tp: int) -> int:

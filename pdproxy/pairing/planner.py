@@ -1,83 +1,178 @@
 """Pick a (prefill, decode) pair for a request. Pure: a function of a registry snapshot, the
-requested model and the per-role tickets; no I/O, no clock.
+request's features, the proxy's own legs in flight and the per-role tickets; no I/O, no clock.
 
-Instances are grouped into compatibility classes (today: the model they announced), so the work
-per snapshot is O(instances + classes^2), never O(prefills x decodes), and the per-request work
-is a dictionary lookup plus the policies' choice.
+Instances are grouped into compatibility classes (model, connector, KV geometry): members of a
+class are interchangeable for pairing, so geometry is checked once per pair of classes, the
+work per snapshot is O(instances + classes^2), never O(prefills x decodes), and the work per
+request is a dictionary lookup plus the policies' choice. Compatible pairs are filtered first;
+only then do the policies choose.
 """
 
 from __future__ import annotations
 
 import math
-from collections.abc import Sequence
+from collections.abc import Iterable, Sequence
 from dataclasses import dataclass
+from enum import StrEnum
 
-from pdproxy.pairing.compatibility import compatible
+from pdproxy.ids import Address
+from pdproxy.pairing.candidates import Candidates
+from pdproxy.pairing.features import RequestFeatures
+from pdproxy.pairing.geometry import (
+    MAX_PORT,
+    Incompatible,
+    Mismatch,
+    PairPlan,
+    Unverified,
+    Verdict,
+    plan_pair,
+    rebased,
+    side_of,
+)
+from pdproxy.pairing.inflight import InFlight
 from pdproxy.pairing.policies.base import Policy
 from pdproxy.pairing.policies.round_robin import RoundRobin
+from pdproxy.pairing.report import orphan_reason
+from pdproxy.registry.messages import Connector, Geometry
 from pdproxy.registry.table import Instance, Snapshot
+
+# KV capacity of one decode instance, in tokens, when weighing tokens in flight against the
+# announced kv_usage fraction (least_kv). Roughly an 8B model's cache on one 80 GB GPU.
+DEFAULT_KV_CAPACITY_TOKENS = 262_144
+
+# Connectors whose decode side computes a prompt itself when no KV is announced for it, so a
+# short prompt may skip the prefill leg. Stock P2pNcclConnector consumers always wait for KV.
+LOCAL_COMPUTE = frozenset((Connector.NIXL, Connector.PDPROXY))
+
+ClassKey = tuple[str | None, Connector | None, Geometry | None, bool]
+
+
+class Unpaired(StrEnum):
+    """Why no pair was found. Fixed set: it labels a metric."""
+
+    NO_INSTANCE = "no_instance"
+    NO_PREFILL = "no_prefill"
+    NO_DECODE = "no_decode"
+    INCOMPATIBLE = "incompatible"
 
 
 @dataclass(frozen=True, slots=True)
 class Pair:
     prefill: Instance
     decode: Instance
+    plan: PairPlan | Unverified
+    prefill_tokens: int = 0  # counted in flight on the prefill until released
+    decode_tokens: int = 0
+
+    @property
+    def connector(self) -> Connector | None:
+        return self.prefill.connector or self.decode.connector
+
+
+@dataclass(frozen=True, slots=True)
+class Direct:
+    """No prefill leg: the decode instance computes the (short) prompt itself."""
+
+    decode: Instance
+    decode_tokens: int = 0
 
 
 @dataclass(frozen=True, slots=True)
 class NoPair:
+    kind: Unpaired
     reason: str
+
+
+def class_key(instance: Instance) -> ClassKey:
+    """Instances with equal keys are interchangeable for pairing."""
+    geometry = instance.geometry
+    tp = None if geometry is None else geometry.tp_size
+    # A prefill's KV ports run from its zmq port to port + tp - 1: past 65535 it cannot serve.
+    ports_fit = tp is None or instance.zmq_address.port + tp - 1 <= MAX_PORT
+    return (instance.model, instance.connector, geometry, ports_fit)
+
+
+def group(instances: Iterable[Instance]) -> dict[ClassKey, tuple[Instance, ...]]:
+    groups: dict[ClassKey, list[Instance]] = {}
+    for instance in instances:
+        groups.setdefault(class_key(instance), []).append(instance)
+    return {key: tuple(members) for key, members in groups.items()}
 
 
 @dataclass(frozen=True, slots=True)
 class FleetView:
     """Everything that can serve one model: prefills with at least one compatible decode."""
 
-    prefills: tuple[Instance, ...]
-    decodes_by_class: dict[str | None, tuple[Instance, ...]]
-    serving_prefill: bool
-    serving_decode: bool
+    prefills: Candidates | None
+    decodes_by_class: dict[ClassKey, Candidates]
+    verdicts: dict[tuple[ClassKey, ClassKey], Verdict]
+    direct: Candidates | None  # decodes that may compute a prompt themselves
+    unpaired: Unpaired | None  # why nothing can serve the model (prefills is None)
+    orphans: tuple[str, ...] = ()  # for INCOMPATIBLE: why each prefill class pairs with none
 
-    def decodes_for(self, prefill: Instance) -> tuple[Instance, ...]:
+    def decodes_for(self, prefill: Instance) -> Candidates:
         return self.decodes_by_class[class_key(prefill)]
 
-    def reason(self, model: str) -> str:
+    def no_pair(self, model: str) -> NoPair:
         """Why nothing can serve `model` (views are shared by names nobody announced, so the
         name is an argument, never remembered)."""
-        if not self.serving_prefill and not self.serving_decode:
-            return f"no prefill and no decode instance serves model {model!r}"
-        if not self.serving_prefill:
-            return f"no prefill instance serves model {model!r}"
-        if not self.serving_decode:
-            return f"no decode instance serves model {model!r}"
-        return f"no decode instance is compatible with a prefill instance for model {model!r}"
-
-
-def class_key(instance: Instance) -> str | None:
-    """Instances with equal keys are interchangeable for compatibility."""
-    return instance.model
-
-
-def _representative(members: Sequence[Instance]) -> Instance:
-    return members[0]
-
-
-def _group(instances: Sequence[Instance]) -> dict[str | None, tuple[Instance, ...]]:
-    groups: dict[str | None, list[Instance]] = {}
-    for instance in instances:
-        groups.setdefault(class_key(instance), []).append(instance)
-    return {key: tuple(members) for key, members in groups.items()}
+        kind = self.unpaired or Unpaired.INCOMPATIBLE
+        if kind is Unpaired.NO_INSTANCE:
+            return NoPair(kind, f"no prefill and no decode instance serves model {model!r}")
+        if kind is Unpaired.NO_PREFILL:
+            return NoPair(kind, f"no prefill instance serves model {model!r}")
+        if kind is Unpaired.NO_DECODE:
+            return NoPair(kind, f"no decode instance serves model {model!r}")
+        return NoPair(
+            kind,
+            f"no decode instance is compatible with a prefill instance for model {model!r}: "
+            + "; ".join(self.orphans),
+        )
 
 
 class FleetIndex:
     """Compatible pairs of one snapshot, memoised per model (bounded by announced models)."""
 
-    def __init__(self, snapshot: Snapshot) -> None:
+    def __init__(
+        self,
+        snapshot: Snapshot,
+        inflight: InFlight,
+        *,
+        allow_unknown_geometry: bool = False,
+        kv_capacity_tokens: int = DEFAULT_KV_CAPACITY_TOKENS,
+    ) -> None:
         self.snapshot = snapshot
-        self._prefill_classes = _group(snapshot.prefills)
-        self._decode_classes = _group(snapshot.decodes)
-        self._models = {key for key in (*self._prefill_classes, *self._decode_classes) if key}
+        self.allow_unknown_geometry = allow_unknown_geometry
+        self._inflight = inflight
+        self._kv_capacity_tokens = kv_capacity_tokens
+        self.prefill_classes = group(snapshot.prefills)
+        self.decode_classes = group(snapshot.decodes)
+        self._models = {
+            key[0] for key in (*self.prefill_classes, *self.decode_classes) if key[0] is not None
+        }
+        self._verdicts: dict[tuple[ClassKey, ClassKey], Verdict] = {}
         self._views: dict[str | None, FleetView] = {}
+
+    def verdict(self, p_key: ClassKey, d_key: ClassKey) -> Verdict:
+        verdict = self._verdicts.get((p_key, d_key))
+        if verdict is None and not p_key[3]:
+            # Checked here too: plan_pair sees ports only when both geometries are complete.
+            prefill = self.prefill_classes[p_key][0]
+            tp = prefill.geometry.tp_size if prefill.geometry else None
+            verdict = Incompatible(
+                Mismatch.INVALID_GEOMETRY,
+                f"prefill KV ports {prefill.zmq_address.port}.."
+                f"{prefill.zmq_address.port + (tp or 1) - 1} (one per tp rank) pass {MAX_PORT}",
+            )
+            self._verdicts[(p_key, d_key)] = verdict
+        if verdict is None:
+            verdict = plan_pair(
+                side_of(self.prefill_classes[p_key][0]),
+                side_of(self.decode_classes[d_key][0]),
+                allow_unknown_geometry=self.allow_unknown_geometry,
+            )
+            self._verdicts[(p_key, d_key)] = verdict
+        return verdict
 
     def view(self, model: str) -> FleetView:
         # A model nobody announced can only be served by model-less instances: one memo entry
@@ -89,67 +184,166 @@ class FleetIndex:
             self._views[memo_key] = view
         return view
 
+    def candidates(self, instances: tuple[Instance, ...]) -> Candidates:
+        return Candidates(instances, self._inflight, self._kv_capacity_tokens)
+
     def _build(self, model: str) -> FleetView:
+        p_keys = [k for k, m in self.prefill_classes.items() if m[0].serves(model)]
+        d_keys = [k for k, m in self.decode_classes.items() if m[0].serves(model)]
+        direct_members = tuple(
+            i for k in d_keys if k[1] in LOCAL_COMPUTE for i in self.decode_classes[k]
+        )
+        direct = self.candidates(direct_members) if direct_members else None
         prefills: list[Instance] = []
-        decodes_by_class: dict[str | None, tuple[Instance, ...]] = {}
-        serving_p = serving_d = False
-        for p_key, p_members in self._prefill_classes.items():
-            p_rep = _representative(p_members)
-            if not p_rep.serves(model):
+        verdicts: dict[tuple[ClassKey, ClassKey], Verdict] = {}
+        decodes_by_class: dict[ClassKey, Candidates] = {}
+        shared: dict[tuple[ClassKey, ...], Candidates] = {}
+        for p_key in p_keys:
+            matched = []
+            for d_key in d_keys:
+                verdict = self.verdict(p_key, d_key)
+                if not isinstance(verdict, Incompatible):
+                    matched.append(d_key)
+                    verdicts[(p_key, d_key)] = verdict
+            if not matched:
                 continue
-            serving_p = True
-            matched: list[Instance] = []
-            for d_members in self._decode_classes.values():
-                d_rep = _representative(d_members)
-                serving_d = serving_d or d_rep.serves(model)
-                if compatible(p_rep, d_rep, model):
-                    matched.extend(d_members)
-            if matched:
-                prefills.extend(p_members)
-                decodes_by_class[p_key] = tuple(matched)
-        if not serving_d:
-            serving_d = any(_representative(m).serves(model) for m in self._decode_classes.values())
-        return FleetView(tuple(prefills), decodes_by_class, serving_p, serving_d)
+            prefills.extend(self.prefill_classes[p_key])
+            # Prefill classes with the same compatible decodes share one candidate set, so
+            # its load boards see all the traffic those decodes get.
+            signature = tuple(matched)
+            if signature not in shared:
+                members = tuple(i for d_key in matched for i in self.decode_classes[d_key])
+                shared[signature] = self.candidates(members)
+            decodes_by_class[p_key] = shared[signature]
+        if prefills:
+            return FleetView(
+                self.candidates(tuple(prefills)), decodes_by_class, verdicts, direct, None
+            )
+        unpaired = self._unpaired(p_keys, d_keys)
+        orphans: tuple[str, ...] = ()
+        if unpaired is Unpaired.INCOMPATIBLE:
+            orphans = tuple(self.orphan(p_key, d_keys) for p_key in p_keys)
+        return FleetView(None, {}, {}, direct, unpaired, orphans)
+
+    def _unpaired(self, p_keys: list[ClassKey], d_keys: list[ClassKey]) -> Unpaired:
+        if not p_keys and not d_keys:
+            return Unpaired.NO_INSTANCE
+        if not p_keys:
+            return Unpaired.NO_PREFILL
+        if not d_keys:
+            return Unpaired.NO_DECODE
+        return Unpaired.INCOMPATIBLE
+
+    def orphan(self, p_key: ClassKey, d_keys: Sequence[ClassKey]) -> str:
+        """Why the prefills of class `p_key` pair with none of the decode classes `d_keys`."""
+        rejections = []
+        for d_key in d_keys:
+            verdict = self.verdict(p_key, d_key)
+            if isinstance(verdict, Incompatible):
+                rejections.append((self.decode_classes[d_key][0], verdict))
+        return orphan_reason(self.prefill_classes[p_key], rejections)
+
+    def orphans(self) -> list[str]:
+        """Every prefill class that pairs with no decode class at all, whatever the model."""
+        d_keys = list(self.decode_classes)
+        if not d_keys:
+            return []
+        return [
+            self.orphan(p_key, d_keys)
+            for p_key in self.prefill_classes
+            if all(isinstance(self.verdict(p_key, d_key), Incompatible) for d_key in d_keys)
+        ]
+
+    def has_pair(self) -> bool:
+        return any(
+            not isinstance(self.verdict(p_key, d_key), Incompatible)
+            for p_key in self.prefill_classes
+            for d_key in self.decode_classes
+        )
 
 
 class Planner:
-    """Holds the per-role tickets and the index of the latest snapshot. Deterministic.
+    """Holds the per-role tickets, the legs in flight and the index of the latest snapshot.
+    Deterministic.
 
     Both tickets advance once per plan, so two round-robin cursors over fleets whose sizes
     share a factor would move in lockstep: with 2 P and 2 D only (P0, D0) and (P1, D1) would
     ever carry KV. With `spread_pairs`, the decode ticket slips one place every lcm(P, D)
     plans; over P x D plans every (P, D) pair is then used exactly once, and every instance
     still gets its even share.
+
+    Every `plan` (and `plan_direct`) counts its legs in flight: the caller must `release`
+    each chosen instance exactly once, when its leg ends.
     """
 
     def __init__(
-        self, prefill_policy: Policy, decode_policy: Policy, spread_pairs: bool = False
+        self,
+        prefill_policy: Policy,
+        decode_policy: Policy,
+        *,
+        spread_pairs: bool = False,
+        allow_unknown_geometry: bool = False,
+        kv_capacity_tokens: int = DEFAULT_KV_CAPACITY_TOKENS,
     ) -> None:
-        self._prefill_policy = prefill_policy
-        self._decode_policy = decode_policy
+        if kv_capacity_tokens < 1:
+            raise ValueError("kv_capacity_tokens must be at least 1")
+        self.prefill_policy = prefill_policy
+        self.decode_policy = decode_policy
+        self.inflight = InFlight()
         self._spread_pairs = spread_pairs
+        self._allow_unknown_geometry = allow_unknown_geometry
+        self._kv_capacity_tokens = kv_capacity_tokens
         self._prefill_ticket = 0
         self._decode_ticket = 0
         self._index: FleetIndex | None = None
 
     def index(self, snapshot: Snapshot) -> FleetIndex:
         if self._index is None or self._index.snapshot is not snapshot:
-            self._index = FleetIndex(snapshot)
+            # The old index's score boards go with it: only the new ones follow the legs.
+            self.inflight.clear_listeners()
+            self._index = FleetIndex(
+                snapshot,
+                self.inflight,
+                allow_unknown_geometry=self._allow_unknown_geometry,
+                kv_capacity_tokens=self._kv_capacity_tokens,
+            )
         return self._index
 
-    def plan(self, snapshot: Snapshot, model: str) -> Pair | NoPair:
-        view = self.index(snapshot).view(model)
-        if not view.prefills:
-            return NoPair(view.reason(model))
-        prefill = self._prefill_policy.choose(view.prefills, self._prefill_ticket)
+    def plan(self, snapshot: Snapshot, request: RequestFeatures) -> Pair | NoPair:
+        view = self.index(snapshot).view(request.model)
+        if view.prefills is None:
+            return view.no_pair(request.model)
+        prefill = self.prefill_policy.choose(view.prefills, request, self._prefill_ticket)
         self._prefill_ticket += 1
         decodes = view.decodes_for(prefill)
         ticket = self._decode_ticket
         if self._spread_pairs:
             ticket += ticket // math.lcm(len(view.prefills), len(decodes))
-        decode = self._decode_policy.choose(decodes, ticket)
+        decode = self.decode_policy.choose(decodes, request, ticket)
         self._decode_ticket += 1
-        return Pair(prefill, decode)
+        p_key = class_key(prefill)
+        verdict = view.verdicts[(p_key, class_key(decode))]
+        assert not isinstance(verdict, Incompatible)
+        if isinstance(verdict, PairPlan):
+            # Verdicts are per class, computed with its first member's KV port.
+            first = self.index(snapshot).prefill_classes[p_key][0]
+            verdict = rebased(verdict, first.zmq_address.port, prefill.zmq_address.port)
+        self.inflight.add(prefill.http_address, request.prompt_tokens)
+        self.inflight.add(decode.http_address, request.decode_tokens)
+        return Pair(prefill, decode, verdict, request.prompt_tokens, request.decode_tokens)
+
+    def plan_direct(self, snapshot: Snapshot, request: RequestFeatures) -> Direct | None:
+        """A decode instance able to compute the prompt itself, or None."""
+        direct = self.index(snapshot).view(request.model).direct
+        if direct is None:
+            return None
+        decode = self.decode_policy.choose(direct, request, self._decode_ticket)
+        self._decode_ticket += 1
+        self.inflight.add(decode.http_address, request.decode_tokens)
+        return Direct(decode, request.decode_tokens)
+
+    def release(self, address: Address, tokens: int) -> None:
+        self.inflight.remove(address, tokens)
 
 
 def round_robin_planner() -> Planner:
@@ -161,26 +355,18 @@ def round_robin_planner() -> Planner:
 class Readiness:
     ready: bool
     reason: str
+    orphans: tuple[str, ...] = ()  # prefill classes that pair with no decode
 
 
-def readiness(snapshot: Snapshot) -> Readiness:
-    """Ready when at least one prefill has a compatible decode, for some model."""
+def readiness(index: FleetIndex) -> Readiness:
+    """Ready when at least one prefill has a compatible decode, for some model; the orphans
+    (prefills no decode can take KV from) are named either way."""
+    snapshot = index.snapshot
     if not snapshot.prefills:
         return Readiness(False, "no prefill instance is registered")
     if not snapshot.decodes:
         return Readiness(False, "no decode instance is registered")
-    prefill_classes = _group(snapshot.prefills)
-    decode_classes = _group(snapshot.decodes)
-    for p_members in prefill_classes.values():
-        p_rep = _representative(p_members)
-        for d_members in decode_classes.values():
-            d_rep = _representative(d_members)
-            model = p_rep.model or d_rep.model or ""
-            if compatible(p_rep, d_rep, model):
-                return Readiness(True, "ok")
-    p_models = sorted({str(i.model) for i in snapshot.prefills})
-    d_models = sorted({str(i.model) for i in snapshot.decodes})
-    return Readiness(
-        False,
-        f"no prefill has a compatible decode: prefills serve {p_models}, decodes serve {d_models}",
-    )
+    orphans = tuple(index.orphans())
+    if index.has_pair():
+        return Readiness(True, "ok", orphans)
+    return Readiness(False, "no prefill has a compatible decode: " + "; ".join(orphans), orphans)

@@ -17,7 +17,8 @@ from fastapi import FastAPI
 
 from pdproxy.config import Settings
 from pdproxy.metrics import Metrics
-from pdproxy.pairing.planner import Planner, round_robin_planner
+from pdproxy.pairing.planner import Planner
+from pdproxy.pairing.policies import make_policy
 from pdproxy.proxy.completions import CompletionsEndpoint
 from pdproxy.proxy.dispatch import Dispatcher
 from pdproxy.proxy.exchange import Scope
@@ -31,7 +32,7 @@ log = logging.getLogger("pdproxy")
 
 COMPLETION_PATHS = ("/v1/completions", "/v1/chat/completions")
 _COUNTED_PATHS = frozenset(
-    ("/health", "/ready", "/metrics", "/v1/models", "/v1/instances")
+    ("/health", "/ready", "/metrics", "/v1/models", "/v1/instances", "/v1/instances/pairs")
 )  # any other path is counted as "other": client-chosen paths must not grow label sets
 
 
@@ -56,6 +57,18 @@ def static_instances(settings: Settings) -> list[Instance]:
     ]
 
 
+def planner_from(settings: Settings) -> Planner:
+    both_round_robin = settings.prefill_policy == settings.decode_policy == "round_robin"
+    return Planner(
+        make_policy(settings.prefill_policy, load_factor=settings.prefix_affinity_load_factor),
+        make_policy(settings.decode_policy),
+        # Only two round-robin cursors can fall into lockstep (see Planner).
+        spread_pairs=both_round_robin,
+        allow_unknown_geometry=settings.allow_unknown_geometry,
+        kv_capacity_tokens=settings.decode_kv_capacity_tokens,
+    )
+
+
 async def build_state(settings: Settings, clock: Callable[[], float]) -> AppState:
     metrics = Metrics()
     table = RegistryTable(settings.ttl, settings.max_instances)
@@ -67,7 +80,7 @@ async def build_state(settings: Settings, clock: Callable[[], float]) -> AppStat
     registry.start()
     upstream = Upstream(settings)
     await upstream.start()
-    planner = round_robin_planner()
+    planner = planner_from(settings)
     dispatcher = Dispatcher(settings, table, planner, upstream, metrics, clock)
     return AppState(settings, metrics, table, registry, upstream, planner, dispatcher, clock)
 
@@ -96,10 +109,12 @@ class PdproxyApp:
             for path in COMPLETION_PATHS
         }
         log.info(
-            "pdproxy ready to serve on %s:%d (registry %s)",
+            "pdproxy ready to serve on %s:%d (registry %s, prefill policy %s, decode policy %s)",
             self.settings.host,
             self.settings.port,
             self.settings.registry_bind,
+            self.settings.prefill_policy,
+            self.settings.decode_policy,
         )
         try:
             yield

@@ -13,13 +13,17 @@ import os
 import time
 from collections.abc import Callable, Iterator
 from dataclasses import dataclass
+from typing import Any
 
 from pdproxy.config import Settings
 from pdproxy.ids import build_request_id
 from pdproxy.metrics import DECODE, PREFILL, Metrics
-from pdproxy.pairing.planner import NoPair, Pair, Planner
+from pdproxy.pairing.features import RequestFeatures
+from pdproxy.pairing.planner import Direct, NoPair, Pair, Planner
 from pdproxy.proxy.errors import ProxyError
 from pdproxy.proxy.exchange import Exchange
+from pdproxy.proxy.kv_params import PARAMS_FIELD, params_from_answer, prefill_params, uses_params
+from pdproxy.proxy.prompt import request_features
 from pdproxy.proxy.request import CompletionRequest
 from pdproxy.proxy.upstream import Reply, Upstream, UpstreamError
 from pdproxy.registry.table import Instance, RegistryTable
@@ -57,9 +61,15 @@ class Dispatcher:
         key = settings.upstream_api_key
         self._upstream_auth = None if key is None else f"Bearer {key.get_secret_value()}"
 
-    def choose(self, model: str) -> Pair:
-        choice = self._planner.plan(self._table.snapshot(self._clock()), model)
+    def features(self, request: CompletionRequest) -> RequestFeatures:
+        return request_features(
+            request.payload, request.model, request.chat, self._settings.prefix_affinity_tokens
+        )
+
+    def choose(self, features: RequestFeatures) -> Pair:
+        choice = self._planner.plan(self._table.snapshot(self._clock()), features)
         if isinstance(choice, NoPair):
+            self._metrics.unpaired.labels(choice.kind.value).inc()
             raise ProxyError(503, choice.reason, code="no_instance", headers=self._retry_after)
         return choice
 
@@ -73,38 +83,88 @@ class Dispatcher:
     async def serve(
         self, request: CompletionRequest, exchange: Exchange, authorization: str | None
     ) -> None:
-        """Run both legs and answer the client through `exchange`."""
-        pair = self.choose(request.model)
-        request_id = build_request_id(
-            pair.prefill.zmq_address, pair.decode.zmq_address, self._new_uid()
-        )
-        exchange.request_id = request_id
-        headers = self.leg_headers(request_id, authorization)
-        rejection = await self._prefill(pair.prefill, request, headers)
-        if rejection is not None:
-            # vLLM refused the request (4xx): the client gets vLLM's own words.
-            await exchange.whole(rejection.status, rejection.content_type.encode(), rejection.body)
-            return
-        await self._decode(pair.decode, request, headers, exchange)
+        """Run both legs (or only decode, for a short prompt) and answer through `exchange`."""
+        features = self.features(request)
+        if features.prompt_tokens < self._settings.disagg_min_tokens:
+            direct = self._planner.plan_direct(self._table.snapshot(self._clock()), features)
+            if direct is not None:
+                await self._serve_direct(direct, request, exchange, authorization)
+                return
+        pair = self.choose(features)
+        release = self._planner.release
+        prefill_held = True
+        try:
+            request_id = build_request_id(
+                pair.prefill.zmq_address, pair.decode.zmq_address, self._new_uid()
+            )
+            exchange.request_id = request_id
+            headers = self.leg_headers(request_id, authorization)
+            with_params = uses_params(pair.connector)
+            answer = await self._prefill(pair.prefill, request, headers, with_params)
+            release(pair.prefill.http_address, pair.prefill_tokens)
+            prefill_held = False
+            if answer.status >= 400:
+                # vLLM refused the request (4xx): the client gets vLLM's own words.
+                await exchange.whole(answer.status, answer.content_type.encode(), answer.body)
+                return
+            params = self._kv_params(pair.prefill, answer) if with_params else None
+            await self._decode(pair.decode, request.decode_body(params), request, headers, exchange)
+        finally:
+            if prefill_held:
+                release(pair.prefill.http_address, pair.prefill_tokens)
+            release(pair.decode.http_address, pair.decode_tokens)
+
+    async def _serve_direct(
+        self,
+        direct: Direct,
+        request: CompletionRequest,
+        exchange: Exchange,
+        authorization: str | None,
+    ) -> None:
+        self._metrics.direct.inc()
+        try:
+            # No tag: the decode instance's connector computes the prompt itself.
+            exchange.request_id = self._new_uid()
+            headers = self.leg_headers(exchange.request_id, authorization)
+            await self._decode(direct.decode, request.body, request, headers, exchange)
+        finally:
+            self._planner.release(direct.decode.http_address, direct.decode_tokens)
+
+    def _kv_params(self, prefill: Instance, answer: Reply) -> dict[str, Any]:
+        params = params_from_answer(answer.body)
+        if params is None:
+            # Without it the decode instance cannot know where the KV is: it would recompute
+            # or wait, so the prefill counts as failed.
+            raise self._leg_failed(
+                PREFILL,
+                prefill,
+                "no_kv_transfer_params",
+                f"answered without {PARAMS_FIELD} (is its connector really nixl?)",
+            )
+        return params
 
     async def _prefill(
-        self, instance: Instance, request: CompletionRequest, headers: dict[str, str]
-    ) -> Reply | None:
+        self,
+        instance: Instance,
+        request: CompletionRequest,
+        headers: dict[str, str],
+        with_params: bool,
+    ) -> Reply:
+        """The prefill answer: 2xx, or a 4xx to relay; anything else raises."""
         settings = self._settings
         started = time.perf_counter()
+        body = request.prefill_body(prefill_params() if with_params else None)
         with self._leg(PREFILL, instance, "answer", settings.prefill_timeout) as wait:
             async with asyncio.timeout(wait.limit):
                 reply = await self._upstream.post(
                     instance.http_address,
                     request.path,
-                    request.prefill_body(),
+                    body,
                     headers,
                     settings.max_response_bytes,
                 )
         self._metrics.prefill_duration.observe(time.perf_counter() - started)
-        if 200 <= reply.status < 300:
-            return None
-        if 400 <= reply.status < 500:
+        if 200 <= reply.status < 300 or 400 <= reply.status < 500:
             return reply
         raise self._leg_failed(
             PREFILL, instance, _status_kind(reply.status), _answered(reply.status, reply.body)
@@ -113,6 +173,7 @@ class Dispatcher:
     async def _decode(
         self,
         instance: Instance,
+        body: bytes,
         request: CompletionRequest,
         headers: dict[str, str],
         exchange: Exchange,
@@ -129,7 +190,7 @@ class Dispatcher:
         with self._leg(DECODE, instance, waiting, limit) as wait:
             async with asyncio.timeout(wait.limit) as deadline:
                 async with self._upstream.stream(
-                    "POST", instance.http_address, request.path, request.body, headers
+                    "POST", instance.http_address, request.path, body, headers
                 ) as stream:
                     if not 200 <= stream.status < 300:
                         body = await stream.read_all(settings.max_response_bytes)

@@ -10,6 +10,7 @@ from typing import Any
 import orjson
 
 from pdproxy.proxy.errors import ProxyError
+from pdproxy.proxy.kv_params import PARAMS_FIELD
 
 # The prefill leg must produce exactly one token and return: minimums above 1 are capped.
 _MIN_FIELDS = ("min_tokens", "min_completion_tokens")
@@ -23,9 +24,15 @@ class CompletionRequest:
     model: str
     stream: bool
 
-    def prefill_body(self) -> bytes:
+    @property
+    def chat(self) -> bool:
+        return self.path.endswith("/chat/completions")
+
+    def prefill_body(self, kv_transfer_params: dict[str, Any] | None = None) -> bytes:
         """The client's request made into a prefill leg: one token, no stream."""
         payload = dict(self.payload)
+        if kv_transfer_params is not None:
+            payload[PARAMS_FIELD] = kv_transfer_params
         payload["max_tokens"] = 1
         if "max_completion_tokens" in payload:
             payload["max_completion_tokens"] = 1
@@ -36,6 +43,12 @@ class CompletionRequest:
         payload["stream"] = False
         payload.pop("stream_options", None)
         return orjson.dumps(payload)
+
+    def decode_body(self, kv_transfer_params: dict[str, Any] | None = None) -> bytes:
+        """The client's bytes, unchanged, unless the prefill's KV location must ride along."""
+        if kv_transfer_params is None:
+            return self.body
+        return orjson.dumps({**self.payload, PARAMS_FIELD: kv_transfer_params})
 
 
 def parse_completion(path: str, body: bytes) -> CompletionRequest:
@@ -59,6 +72,14 @@ def parse_completion(path: str, body: bytes) -> CompletionRequest:
             "'model' is required and must be a non-empty string",
             param="model",
             code="missing_model",
+        )
+    if PARAMS_FIELD in payload:
+        # It tells a decode instance where to read KV from: only the proxy may set it.
+        raise ProxyError(
+            400,
+            f"'{PARAMS_FIELD}' is set by pdproxy, not by clients",
+            param=PARAMS_FIELD,
+            code="invalid_request",
         )
     stream = payload.get("stream", False)
     if stream is not None and not isinstance(stream, bool):

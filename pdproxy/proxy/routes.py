@@ -13,6 +13,7 @@ from fastapi.responses import Response
 from starlette.exceptions import HTTPException as StarletteHTTPException
 
 from pdproxy.metrics import CONTENT_TYPE
+from pdproxy.pairing.listing import pairs_report
 from pdproxy.pairing.planner import readiness
 from pdproxy.proxy.errors import error_body
 from pdproxy.proxy.upstream import UpstreamError
@@ -43,10 +44,19 @@ def install_routes(api: FastAPI, app: PdproxyApp) -> None:
 
     @api.get("/ready")
     async def ready() -> Response:
-        verdict = readiness(app.state.table.snapshot())
+        state = app.state
+        verdict = readiness(state.planner.index(state.table.snapshot()))
+        # Orphans (instances no counterpart can exchange KV with) are named even when ready:
+        # part of the fleet is idle and an operator should know why.
+        orphans = {"orphans": list(verdict.orphans)} if verdict.orphans else {}
         if verdict.ready:
-            return _json({"status": "ready"})
-        return _json({"status": "not_ready", "reason": verdict.reason}, 503)
+            return _json({"status": "ready", **orphans})
+        return _json({"status": "not_ready", "reason": verdict.reason, **orphans}, 503)
+
+    @api.get("/v1/instances/pairs")
+    async def pairs() -> Response:
+        state = app.state
+        return _json({"prefills": pairs_report(state.planner.index(state.table.snapshot()))})
 
     @api.get("/metrics")
     async def metrics() -> Response:

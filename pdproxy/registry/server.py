@@ -16,6 +16,7 @@ import zmq.asyncio
 
 from pdproxy.config import Settings
 from pdproxy.metrics import Metrics
+from pdproxy.pairing.consistency import contradiction
 from pdproxy.registry.messages import Announcement, Reason, Rejected, Role, decode_frame
 from pdproxy.registry.table import Change, Instance, RegistryTable, Source
 
@@ -179,6 +180,10 @@ class RegistryServer:
             self._metrics.instance_joined(instance.name)
         if change in (Change.REGISTERED, Change.UPDATED):
             self.publish_counts()
+            others = (entry.instance for entry in self._table.entries())
+            problem = contradiction(instance, others)
+            if problem is not None:
+                log.warning("registry: %s", problem)
 
     def _on_departed(self, instance: Instance) -> None:
         self._metrics.instance_left(instance.name)

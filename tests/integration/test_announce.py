@@ -190,8 +190,13 @@ def static_prefill() -> str:
 
 
 def start_proxy(fleet_factory: FleetFactory) -> LocalFleet:
-    # A TTL far longer than any wait below: whatever removes the instance is not expiry.
-    return fleet_factory([], proxy_args=["--ttl", "60", "--prefill", static_prefill()])
+    # A TTL far longer than any wait below: whatever removes the instance is not expiry. The
+    # static prefill's geometry is unknown, so it may pair with the announced decode only if
+    # unknown geometry is allowed.
+    return fleet_factory(
+        [],
+        proxy_args=["--ttl", "60", "--prefill", static_prefill(), "--allow-unknown-geometry"],
+    )
 
 
 def write_model_config(directory: Path, config: object = TINY_LLAMA_CONFIG) -> Path:

@@ -31,7 +31,10 @@ MODEL = "fake-model"
 @pytest.fixture(scope="module")
 def fleet(tmp_path_factory: pytest.TempPathFactory) -> Iterator[LocalFleet]:
     specs = [WorkerSpec("P"), WorkerSpec("P"), WorkerSpec("D"), WorkerSpec("D")]
-    fleet = LocalFleet(tmp_path_factory.mktemp("fleet2x2"), specs).start()
+    # Round robin (vLLM's example behaviour) makes the spread exact and testable; the default
+    # policies are tested in test_pairing_live.py.
+    policies = ["--prefill-policy", "round_robin", "--decode-policy", "round_robin"]
+    fleet = LocalFleet(tmp_path_factory.mktemp("fleet2x2"), specs, policies).start()
     try:
         yield fleet
     finally:

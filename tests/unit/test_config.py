@@ -78,6 +78,13 @@ SAMPLES: dict[str, tuple[str, Any]] = {
     "retry_after_seconds": ("3", 3),
     "upstream_max_connections": ("16", 16),
     "log_level": ("debug", "debug"),
+    "prefill_policy": ("power_of_two", "power_of_two"),
+    "decode_policy": ("least_loaded", "least_loaded"),
+    "prefix_affinity_tokens": ("64", 64),
+    "prefix_affinity_load_factor": ("1.5", 1.5),
+    "decode_kv_capacity_tokens": ("1000", 1000),
+    "allow_unknown_geometry": ("true", True),
+    "disagg_min_tokens": ("32", 32),
 }
 
 
@@ -119,6 +126,24 @@ def test_defaults() -> None:
     assert settings.retry_after_seconds == 2
     assert settings.upstream_max_connections == 4096
     assert settings.log_level == "info"
+    assert settings.prefill_policy == "prefix_affinity"
+    assert settings.decode_policy == "least_kv"
+    assert settings.allow_unknown_geometry is False
+    assert settings.disagg_min_tokens == 0
+
+
+def test_a_bare_boolean_flag_means_true() -> None:
+    assert load(["--allow-unknown-geometry"]).allow_unknown_geometry is True
+    assert load(["--allow-unknown-geometry", "false"]).allow_unknown_geometry is False
+
+
+@pytest.mark.parametrize(
+    ("flag", "name"),
+    [("--prefill-policy", "least_kv"), ("--decode-policy", "prefix_affinity")],
+)
+def test_a_policy_for_the_other_role_is_refused(flag: str, name: str) -> None:
+    with pytest.raises(ConfigError, match=flag[2:].replace("-", "_")):
+        load([flag, name])
 
 
 def test_unset_flags_do_not_appear_in_the_namespace() -> None:

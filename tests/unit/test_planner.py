@@ -11,7 +11,9 @@ from hypothesis import given, settings
 from hypothesis import strategies as st
 
 from pdproxy.ids import Address
-from pdproxy.pairing.compatibility import compatible, models_agree
+from pdproxy.pairing.candidates import Candidates
+from pdproxy.pairing.features import RequestFeatures
+from pdproxy.pairing.inflight import InFlight
 from pdproxy.pairing.planner import (
     FleetIndex,
     NoPair,
@@ -54,10 +56,34 @@ def planner() -> Planner:
     return Planner(RoundRobin(), RoundRobin())
 
 
+def rq(model: str) -> RequestFeatures:
+    return RequestFeatures(model)
+
+
+def pair_of(result: Pair | NoPair) -> tuple[Instance, Instance]:
+    assert isinstance(result, Pair), result
+    return result.prefill, result.decode
+
+
+def reason_of(result: Pair | NoPair) -> str:
+    assert isinstance(result, NoPair), result
+    return result.reason
+
+
+def index_of(snapshot: Snapshot) -> FleetIndex:
+    return FleetIndex(snapshot, InFlight())
+
+
+def compatible(prefill: Instance, decode: Instance, model: str) -> bool:
+    """The oracle for instances without geometry: both serve the model, and agree on it."""
+    agree = prefill.model is None or decode.model is None or prefill.model == decode.model
+    return prefill.serves(model) and decode.serves(model) and agree
+
+
 def pairs(pl: Planner, snapshot: Snapshot, model: str, n: int) -> list[Pair]:
     out: list[Pair] = []
     for _ in range(n):
-        result = pl.plan(snapshot, model)
+        result = pl.plan(snapshot, rq(model))
         assert isinstance(result, Pair), result
         out.append(result)
     return out
@@ -81,15 +107,11 @@ def pairs(pl: Planner, snapshot: Snapshot, model: str, n: int) -> list[Pair]:
         ("a", None, "b", False),
     ],
 )
-def test_compatible(p_model: str | None, d_model: str | None, model: str, expected: bool) -> None:
-    assert compatible(p(1, p_model), d(1, d_model), model) is expected
-
-
-def test_models_agree() -> None:
-    assert models_agree(p(1, "a"), d(1, "a"))
-    assert not models_agree(p(1, "a"), d(1, "b"))
-    assert models_agree(p(1, None), d(1, "b"))
-    assert models_agree(p(1, "a"), d(1, None))
+def test_model_compatibility(
+    p_model: str | None, d_model: str | None, model: str, expected: bool
+) -> None:
+    result = planner().plan(snap((p(1, p_model),), (d(1, d_model),)), rq(model))
+    assert isinstance(result, Pair) is expected
 
 
 # ---------------------------------------------------------------------------------------------
@@ -98,9 +120,9 @@ def test_models_agree() -> None:
 
 def test_round_robin_policy() -> None:
     policy: Policy = RoundRobin()
-    candidates = (p(1), p(2), p(3))
+    candidates = Candidates((p(1), p(2), p(3)), InFlight(), 1000)
     assert policy.name == "round_robin"
-    assert [policy.choose(candidates, t) for t in range(7)] == [
+    assert [policy.choose(candidates, rq("m"), t) for t in range(7)] == [
         p(1),
         p(2),
         p(3),
@@ -165,9 +187,9 @@ def test_prefill_and_decode_tickets_are_independent() -> None:
 def test_tickets_are_per_role_not_per_model() -> None:
     snapshot = snap((p(1, "a"), p(2, None)), (d(1, "a"), d(2, None)))
     pl = planner()
-    first = pl.plan(snapshot, "a")
-    second = pl.plan(snapshot, "zzz")  # only the model-less pair serves it
-    third = pl.plan(snapshot, "a")
+    first = pl.plan(snapshot, rq("a"))
+    second = pl.plan(snapshot, rq("zzz"))  # only the model-less pair serves it
+    third = pl.plan(snapshot, rq("a"))
     assert isinstance(first, Pair) and isinstance(second, Pair) and isinstance(third, Pair)
     assert (first.prefill, first.decode) == (p(1, "a"), d(1, "a"))
     assert (second.prefill, second.decode) == (p(2, None), d(2, None))
@@ -177,7 +199,7 @@ def test_tickets_are_per_role_not_per_model() -> None:
 def test_no_pair_does_not_advance_tickets() -> None:
     snapshot = snap((p(1), p(2)), (d(1), d(2)))
     pl = planner()
-    assert isinstance(pl.plan(snapshot, "unknown"), NoPair)
+    assert isinstance(pl.plan(snapshot, rq("unknown")), NoPair)
     result = pairs(pl, snapshot, "m", 2)
     assert [(r.prefill, r.decode) for r in result] == [(p(1), d(1)), (p(2), d(2))]
 
@@ -188,11 +210,9 @@ class _Recording:
     def __init__(self) -> None:
         self.tickets: list[int] = []
 
-    def choose(self, candidates: object, ticket: int) -> Instance:
+    def choose(self, candidates: Candidates, request: RequestFeatures, ticket: int) -> Instance:
         self.tickets.append(ticket)
-        assert isinstance(candidates, tuple)
-        chosen: Instance = candidates[0]
-        return chosen
+        return candidates.instances[0]
 
 
 def test_policies_receive_consecutive_tickets_per_role() -> None:
@@ -200,7 +220,7 @@ def test_policies_receive_consecutive_tickets_per_role() -> None:
     pl = Planner(prefill_policy, decode_policy)
     snapshot = snap((p(1),), (d(1),))
     for _ in range(5):
-        pl.plan(snapshot, "m")
+        pl.plan(snapshot, rq("m"))
     assert prefill_policy.tickets == [0, 1, 2, 3, 4]
     assert decode_policy.tickets == [0, 1, 2, 3, 4]
 
@@ -229,6 +249,7 @@ def test_model_less_instances_serve_any_model_and_pair_with_anything() -> None:
     assert {r.prefill for r in result} == set(snapshot.prefills)
     assert {r.decode for r in result} == set(snapshot.decodes)
     view = pl.index(snapshot).view("a")
+    assert view.prefills is not None
     assert set(view.prefills) == set(snapshot.prefills)
     for prefill in snapshot.prefills:  # every prefill may pair with every decode
         assert set(view.decodes_for(prefill)) == set(snapshot.decodes)
@@ -238,21 +259,21 @@ def test_model_less_instances_serve_any_model_and_pair_with_anything() -> None:
 
 def test_v0_prefill_pairs_with_v1_decode() -> None:
     snapshot = snap((p(1, None),), (d(1, "a"),))
-    result = planner().plan(snapshot, "a")
-    assert result == Pair(p(1, None), d(1, "a"))
-    assert planner().plan(snapshot, "b") == NoPair("no decode instance serves model 'b'")
+    result = planner().plan(snapshot, rq("a"))
+    assert pair_of(result) == (p(1, None), d(1, "a"))
+    assert reason_of(planner().plan(snapshot, rq("b"))) == ("no decode instance serves model 'b'")
 
 
 def test_v1_prefill_pairs_with_v0_decode() -> None:
     snapshot = snap((p(1, "a"),), (d(1, None),))
-    assert planner().plan(snapshot, "a") == Pair(p(1, "a"), d(1, None))
-    assert planner().plan(snapshot, "b") == NoPair("no prefill instance serves model 'b'")
+    assert pair_of(planner().plan(snapshot, rq("a"))) == (p(1, "a"), d(1, None))
+    assert reason_of(planner().plan(snapshot, rq("b"))) == ("no prefill instance serves model 'b'")
 
 
 def test_static_model_less_instance_serves_any_model() -> None:
     snapshot = snap((p(1, None, Source.STATIC),), (d(1, None, Source.STATIC),))
-    result = planner().plan(snapshot, "whatever")
-    assert result == Pair(p(1, None, Source.STATIC), d(1, None, Source.STATIC))
+    result = planner().plan(snapshot, rq("whatever"))
+    assert pair_of(result) == (p(1, None, Source.STATIC), d(1, None, Source.STATIC))
 
 
 @settings(PROFILE, max_examples=200)
@@ -271,7 +292,7 @@ def test_plans_are_always_compatible_and_complete(
     pl = planner()
     seen = set()
     for _ in range(max(1, 2 * len(prefills) * len(decodes))):
-        result = pl.plan(snapshot, model)
+        result = pl.plan(snapshot, rq(model))
         if not possible:
             assert isinstance(result, NoPair)
             assert repr(model) in result.reason
@@ -300,7 +321,7 @@ def test_plans_are_always_compatible_and_complete(
 def test_no_pair_reasons(
     prefills: tuple[Instance, ...], decodes: tuple[Instance, ...], reason: str
 ) -> None:
-    assert planner().plan(snap(prefills, decodes), "m") == NoPair(reason)
+    assert reason_of(planner().plan(snap(prefills, decodes), rq("m"))) == (reason)
 
 
 def test_no_pair_reason_names_the_requested_model_every_time() -> None:
@@ -308,15 +329,19 @@ def test_no_pair_reason_names_the_requested_model_every_time() -> None:
     # the model this request asked for (and never another client's model name).
     snapshot = snap((p(1, "a"),), (d(1, "a"),))
     pl = planner()
-    assert pl.plan(snapshot, "x") == NoPair("no prefill and no decode instance serves model 'x'")
-    assert pl.plan(snapshot, "y") == NoPair("no prefill and no decode instance serves model 'y'")
+    assert reason_of(pl.plan(snapshot, rq("x"))) == (
+        "no prefill and no decode instance serves model 'x'"
+    )
+    assert reason_of(pl.plan(snapshot, rq("y"))) == (
+        "no prefill and no decode instance serves model 'y'"
+    )
 
 
 def test_no_pair_reason_names_the_requested_model_missing_decode() -> None:
     snapshot = snap((p(1, None),), (d(1, "a"),))
     pl = planner()
-    assert pl.plan(snapshot, "x") == NoPair("no decode instance serves model 'x'")
-    assert pl.plan(snapshot, "secret-model") == NoPair(
+    assert reason_of(pl.plan(snapshot, rq("x"))) == ("no decode instance serves model 'x'")
+    assert reason_of(pl.plan(snapshot, rq("secret-model"))) == (
         "no decode instance serves model 'secret-model'"
     )
 
@@ -327,7 +352,7 @@ def test_no_pair_reason_names_the_requested_model_missing_decode() -> None:
 
 def test_index_memo_is_bounded_by_announced_models() -> None:
     snapshot = snap((p(1, "a"), p(2, None)), (d(1, "a"), d(2, None)))
-    index = FleetIndex(snapshot)
+    index = index_of(snapshot)
     rng = random.Random(1234)
     for _ in range(10_000):
         name = "".join(rng.choices(string.ascii_letters + string.digits + "/-_.", k=12))
@@ -339,11 +364,13 @@ def test_index_memo_is_bounded_by_announced_models() -> None:
 
 def test_index_views_for_unknown_models_serve_model_less_instances() -> None:
     snapshot = snap((p(1, "a"), p(2, None)), (d(1, "a"), d(2, None)))
-    index = FleetIndex(snapshot)
+    index = index_of(snapshot)
     view = index.view("unknown")
-    assert view.prefills == (p(2, None),)
-    assert view.decodes_for(p(2, None)) == (d(2, None),)
+    assert view.prefills is not None
+    assert view.prefills.instances == (p(2, None),)
+    assert view.decodes_for(p(2, None)).instances == (d(2, None),)
     view_a = index.view("a")
+    assert view_a.prefills is not None
     assert set(view_a.prefills) == {p(1, "a"), p(2, None)}
     assert set(view_a.decodes_for(p(1, "a"))) == {d(1, "a"), d(2, None)}
     assert index.view("a") is view_a
@@ -361,9 +388,9 @@ def test_a_new_snapshot_object_invalidates_the_index() -> None:
     pl = planner()
     old = snap((p(1),), (d(1),), version=1)
     old_index = pl.index(old)
-    assert pl.plan(old, "m") == Pair(p(1), d(1))
+    assert pair_of(pl.plan(old, rq("m"))) == (p(1), d(1))
     new = snap((p(2),), (d(2),), version=2)
-    assert pl.plan(new, "m") == Pair(p(2), d(2))
+    assert pair_of(pl.plan(new, rq("m"))) == (p(2), d(2))
     assert pl.index(new) is not old_index
     assert pl.index(new).snapshot is new
     # Identity, not equality: an equal but distinct snapshot also gets a fresh index.
@@ -373,14 +400,28 @@ def test_a_new_snapshot_object_invalidates_the_index() -> None:
 
 def test_emptied_fleet_yields_no_pair() -> None:
     pl = planner()
-    assert isinstance(pl.plan(snap((p(1),), (d(1),)), "m"), Pair)
-    assert pl.plan(snap((), ()), "m") == NoPair(
+    assert isinstance(pl.plan(snap((p(1),), (d(1),)), rq("m")), Pair)
+    assert reason_of(pl.plan(snap((), ()), rq("m"))) == (
         "no prefill and no decode instance serves model 'm'"
     )
 
 
 # ---------------------------------------------------------------------------------------------
 # readiness
+
+
+ORPHAN_A_B = (
+    "prefill 10.0.0.1:8100 (connector unknown, geometry unknown, model A) has no compatible "
+    "decode: decodes have model B"
+)
+ORPHAN_C_B = (
+    "prefill 10.0.0.2:8100 (connector unknown, geometry unknown, model C) has no compatible "
+    "decode: decodes have model B"
+)
+ORPHAN_A_CB = (
+    "prefill 10.0.0.1:8100 (connector unknown, geometry unknown, model A) has no compatible "
+    "decode: decodes have model C, model B"
+)
 
 
 @pytest.mark.parametrize(
@@ -394,7 +435,8 @@ def test_emptied_fleet_yields_no_pair() -> None:
             (d(1, "B"),),
             Readiness(
                 False,
-                "no prefill has a compatible decode: prefills serve ['A'], decodes serve ['B']",
+                "no prefill has a compatible decode: " + ORPHAN_A_B,
+                (ORPHAN_A_B,),
             ),
         ),
         (
@@ -402,15 +444,19 @@ def test_emptied_fleet_yields_no_pair() -> None:
             (d(1, "B"), d(2, "B")),
             Readiness(
                 False,
-                "no prefill has a compatible decode: prefills serve ['A', 'C'], "
-                "decodes serve ['B']",
+                "no prefill has a compatible decode: " + ORPHAN_A_B + "; " + ORPHAN_C_B,
+                (ORPHAN_A_B, ORPHAN_C_B),
             ),
         ),
         ((p(1, None),), (d(1, "A"),), Readiness(True, "ok")),
         ((p(1, "A"),), (d(1, None),), Readiness(True, "ok")),
         ((p(1, None),), (d(1, None),), Readiness(True, "ok")),
         ((p(1, "A"),), (d(1, "A"),), Readiness(True, "ok")),
-        ((p(1, "A"), p(2, "B")), (d(1, "C"), d(2, "B")), Readiness(True, "ok")),
+        (
+            (p(1, "A"), p(2, "B")),
+            (d(1, "C"), d(2, "B")),
+            Readiness(True, "ok", (ORPHAN_A_CB,)),
+        ),
     ],
     ids=[
         "empty",
@@ -428,7 +474,7 @@ def test_emptied_fleet_yields_no_pair() -> None:
 def test_readiness(
     prefills: tuple[Instance, ...], decodes: tuple[Instance, ...], expected: Readiness
 ) -> None:
-    assert readiness(snap(prefills, decodes)) == expected
+    assert readiness(index_of(snap(prefills, decodes))) == expected
 
 
 @settings(PROFILE, max_examples=200)
@@ -443,5 +489,5 @@ def test_ready_iff_some_model_can_be_planned(
         tuple(p(i, m) for i, m in enumerate(p_models)),
         tuple(d(i, m) for i, m in enumerate(d_models)),
     )
-    plannable = any(isinstance(planner().plan(snapshot, m), Pair) for m in ("a", "b", "zzz"))
-    assert readiness(snapshot).ready is plannable
+    plannable = any(isinstance(planner().plan(snapshot, rq(m)), Pair) for m in ("a", "b", "zzz"))
+    assert readiness(index_of(snapshot)).ready is plannable

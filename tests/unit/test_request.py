@@ -246,7 +246,6 @@ EVERYTHING: dict[str, Any] = {
     "response_format": {"type": "json_schema", "json_schema": {"schema": {"type": "object"}}},
     "tools": [{"type": "function", "function": {"name": "f", "parameters": {}}}],
     "user": "",
-    "kv_transfer_params": {"do_remote_decode": True},
     "extra_unknown_field": {"nested": [1, 2.5, None, "x", {"deep": [[]]}]},
     "max_tokens": 99,
     "max_completion_tokens": 99,
@@ -255,6 +254,25 @@ EVERYTHING: dict[str, Any] = {
     "stream": True,
     "stream_options": {"include_usage": True, "continuous_usage_stats": True},
 }
+
+
+def test_clients_may_not_send_kv_transfer_params() -> None:
+    # It tells a decode instance where to read KV from: only the proxy sets it.
+    body = orjson.dumps({**EVERYTHING, "kv_transfer_params": {"do_remote_prefill": True}})
+    with pytest.raises(ProxyError) as caught:
+        parse_completion(CHAT, body)
+    assert caught.value.status == 400
+    assert caught.value.param == "kv_transfer_params"
+
+
+def test_nixl_legs_carry_kv_transfer_params() -> None:
+    request = parse_completion(CHAT, orjson.dumps(EVERYTHING))
+    asked = {"do_remote_decode": True, "remote_host": None}
+    assert orjson.loads(request.prefill_body(asked))["kv_transfer_params"] == asked
+    answered = {"do_remote_prefill": True, "remote_port": 5, "remote_block_ids": [1, 2]}
+    decode = orjson.loads(request.decode_body(answered))
+    assert decode == {**EVERYTHING, "kv_transfer_params": answered}
+    assert request.decode_body() is request.body  # other pairs: the client's bytes
 
 
 def test_prefill_body_keeps_every_other_field_exactly() -> None:

@@ -2,13 +2,13 @@
 
 from __future__ import annotations
 
-from collections.abc import Sequence
-
+from pdproxy.pairing.candidates import Candidates
+from pdproxy.pairing.features import RequestFeatures
 from pdproxy.registry.table import Instance
 
 
 class RoundRobin:
     name = "round_robin"
 
-    def choose(self, candidates: Sequence[Instance], ticket: int) -> Instance:
-        return candidates[ticket % len(candidates)]
+    def choose(self, candidates: Candidates, request: RequestFeatures, ticket: int) -> Instance:
+        return candidates.instances[ticket % len(candidates)]
