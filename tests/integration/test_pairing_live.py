@@ -11,7 +11,7 @@ from pdproxy.ids import parse_request_id
 from pdproxy.testing.fleet import LocalFleet, WorkerSpec
 from pdproxy.testing.processes import http_get, http_json
 from tests.conftest import FleetFactory
-from tests.integration.support import metric_value, post_json
+from tests.integration.support import metric_value, post_json, set_behaviour
 
 MODEL = "fake-model"
 
@@ -235,3 +235,38 @@ def test_default_policies_are_reported_and_used(fleet_factory: FleetFactory) -> 
     completion(fleet, "hello")
     log = (fleet.log_dir / "pdproxy.log").read_text()
     assert "prefill policy prefix_affinity, decode policy least_kv" in log
+
+
+def test_a_nixl_prefill_answer_without_kv_transfer_params_is_a_prefill_failure(
+    fleet_factory: FleetFactory,
+) -> None:
+    fleet = fleet_factory(
+        [
+            WorkerSpec("P", extra_args=geometry("nixl", 1)),
+            WorkerSpec("D", extra_args=geometry("nixl", 1)),
+        ]
+    )
+    prefill = fleet.role("P")[0]
+    plain_answer = {
+        "id": "cmpl-x",
+        "object": "text_completion",
+        "model": MODEL,
+        "choices": [{"index": 0, "text": " a", "finish_reason": "length"}],
+    }
+    set_behaviour(prefill.url, status=200, error_body=plain_answer)
+    answer = post_json(
+        fleet.proxy_url + "/v1/completions", {"model": MODEL, "prompt": "x", "max_tokens": 2}
+    )
+    assert answer.status == 502
+    error = answer.json()["error"]
+    assert error["code"] == "prefill_no_kv_transfer_params"
+    assert prefill.http_address in error["message"]
+    assert legs(fleet, "D") == []  # no decode leg without a KV location
+    assert (
+        metric_value(
+            fleet.proxy_url,
+            "pdproxy_upstream_errors_total",
+            {"role": "prefill", "kind": "no_kv_transfer_params"},
+        )
+        == 1
+    )

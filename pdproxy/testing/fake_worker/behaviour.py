@@ -37,9 +37,10 @@ def parse_behaviour(body: dict[str, Any]) -> Behaviour:
     """The whole behaviour is replaced: an absent or null field means "normal"."""
     status = body.get("status")
     if status is not None and (
-        not isinstance(status, int) or isinstance(status, bool) or not 400 <= status <= 599
+        not isinstance(status, int) or isinstance(status, bool) or not 200 <= status <= 599
     ):
-        raise ApiError(400, "status must be an integer in 400..599 or null", "status")
+        # 2xx too: a well-formed answer that lacks something (e.g. kv_transfer_params).
+        raise ApiError(400, "status must be an integer in 200..599 or null", "status")
     delay_ms = body.get("delay_ms")
     if delay_ms is not None and (
         not isinstance(delay_ms, int | float) or isinstance(delay_ms, bool) or delay_ms < 0
