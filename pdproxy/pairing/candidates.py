@@ -9,8 +9,8 @@ from __future__ import annotations
 from collections.abc import Callable, Iterator
 from typing import Any, TypeVar
 
-from pdproxy.pairing.inflight import Busy, InFlight
-from pdproxy.pairing.scoreboard import LoadKind, ScoreBoard, kv_load, request_load
+from pdproxy.pairing.inflight import InFlight
+from pdproxy.pairing.scoreboard import LoadKind, ScoreBoard, scoring
 from pdproxy.registry.table import Instance
 
 T = TypeVar("T")
@@ -37,8 +37,10 @@ class Candidates:
     def board(self, kind: LoadKind) -> ScoreBoard:
         board = self._boards.get(kind)
         if board is None:
-            board = ScoreBoard(self.instances, self._scorer(kind), self._inflight)
-            self._inflight.listen(board.changed)
+            board = ScoreBoard(
+                self.instances, scoring(kind, self._kv_capacity_tokens), self._inflight
+            )
+            self._inflight.listen((i.http_address for i in self.instances), board.changed)
             self._boards[kind] = board
         return board
 
@@ -48,9 +50,3 @@ class Candidates:
             self._derived[key] = build(self.instances)
         value: T = self._derived[key]
         return value
-
-    def _scorer(self, kind: LoadKind) -> Callable[[Instance, Busy], float]:
-        if kind is LoadKind.REQUESTS:
-            return request_load
-        capacity = self._kv_capacity_tokens
-        return lambda instance, busy: kv_load(instance, busy, capacity)

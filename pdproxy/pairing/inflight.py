@@ -6,7 +6,7 @@ would go to the instance that looked idle at the last report.
 
 from __future__ import annotations
 
-from collections.abc import Callable
+from collections.abc import Callable, Iterable
 from dataclasses import dataclass
 
 from pdproxy.ids import Address
@@ -26,9 +26,10 @@ Listener = Callable[[Address], None]
 class InFlight:
     def __init__(self) -> None:
         self._busy: dict[Address, Busy] = {}
-        # Score boards of the current fleet index, told of every change so they stay exact
-        # without rescanning their candidates.
-        self._listeners: list[Listener] = []
+        # Score boards of the current fleet index, told of every change to an instance they
+        # hold, so they stay exact without rescanning their candidates.
+        self._listeners: dict[Address, list[Listener]] = {}
+        self._listener_count = 0
 
     def get(self, address: Address) -> Busy:
         return self._busy.get(address, _IDLE)
@@ -43,7 +44,7 @@ class InFlight:
 
     def remove(self, address: Address, tokens: int) -> None:
         busy = self._busy.get(address)
-        if busy is None or busy.requests <= 0:
+        if busy is None:
             raise ValueError(f"no leg in flight on {address}")
         busy.requests -= 1
         busy.tokens -= tokens
@@ -55,12 +56,18 @@ class InFlight:
     def total_requests(self) -> int:
         return sum(busy.requests for busy in self._busy.values())
 
-    def listen(self, listener: Listener) -> None:
-        self._listeners.append(listener)
+    def listen(self, addresses: Iterable[Address], listener: Listener) -> None:
+        for address in addresses:
+            self._listeners.setdefault(address, []).append(listener)
+        self._listener_count += 1
+
+    def listener_count(self) -> int:
+        return self._listener_count
 
     def clear_listeners(self) -> None:
         self._listeners.clear()
+        self._listener_count = 0
 
     def _notify(self, address: Address) -> None:
-        for listener in self._listeners:
+        for listener in self._listeners.get(address, ()):
             listener(address)

@@ -9,6 +9,7 @@ from __future__ import annotations
 
 import math
 from collections.abc import Callable, Sequence
+from dataclasses import dataclass
 from enum import StrEnum
 
 from pdproxy.ids import Address
@@ -17,32 +18,53 @@ from pdproxy.registry.table import Instance
 
 
 class LoadKind(StrEnum):
-    # Requests: the proxy's own legs in flight plus announced running and waiting requests.
-    REQUESTS = "requests"
-    # KV: announced kv_usage plus the tokens of the proxy's legs in flight, as a fraction of
-    # a decode instance's KV capacity.
-    KV = "kv"
+    REQUESTS = "requests"  # requests in flight or queued
+    KV = "kv"  # a decode instance's KV cache, as a fraction of its capacity
+    PROMPT_TOKENS = "prompt_tokens"  # prompt tokens in flight: a prefill instance's work
 
 
-def request_load(instance: Instance, busy: Busy) -> float:
+@dataclass(frozen=True, slots=True)
+class Scoring:
+    """A load as two parts: what the proxy's own legs in flight put on an instance (exact,
+    current) and what the instance last announced (seconds old, all clients included)."""
+
+    own: Callable[[Busy], float]
+    announced: Callable[[Instance], float]
+
+
+def announced_requests(instance: Instance) -> float:
     load = instance.load
-    announced = 0 if load is None else (load.running or 0) + (load.waiting or 0)
-    return float(busy.requests + announced)
+    return 0.0 if load is None else float((load.running or 0) + (load.waiting or 0))
 
 
-def kv_load(instance: Instance, busy: Busy, capacity_tokens: int) -> float:
+def own_requests(busy: Busy) -> float:
+    return float(busy.requests)
+
+
+def announced_kv(instance: Instance) -> float:
     load = instance.load
-    usage = 0.0 if load is None or load.kv_usage is None else load.kv_usage
-    return usage + busy.tokens / capacity_tokens
+    return 0.0 if load is None or load.kv_usage is None else load.kv_usage
 
 
-Score = Callable[[Instance, Busy], float]
+def scoring(kind: LoadKind, kv_capacity_tokens: int) -> Scoring:
+    if kind is LoadKind.REQUESTS:
+        return Scoring(own_requests, announced_requests)
+    if kind is LoadKind.PROMPT_TOKENS:
+        return Scoring(lambda busy: float(busy.tokens), lambda instance: 0.0)
+    return Scoring(lambda busy: busy.tokens / kv_capacity_tokens, announced_kv)
 
 
 class ScoreBoard:
-    def __init__(self, instances: Sequence[Instance], score: Score, inflight: InFlight) -> None:
+    """Score = own legs now + others' load, where others' load is the announcement minus the
+    own legs in flight when the board was built (a board lives for one snapshot, which is
+    rebuilt when load reports arrive). The announcement already includes the proxy's own legs
+    that reached the instance, seconds late: adding both would count them twice and steer by
+    stale reports (benchmarks/bench_pairing.py measured p99 TTFT 0.90x round robin's with the
+    sum); taking only one would ignore other proxy replicas and direct clients."""
+
+    def __init__(self, instances: Sequence[Instance], scoring: Scoring, inflight: InFlight) -> None:
         self.instances = instances
-        self._score = score
+        self._own = scoring.own
         self._inflight = inflight
         self._positions: dict[Address, int] = {
             instance.http_address: i for i, instance in enumerate(instances)
@@ -51,7 +73,11 @@ class ScoreBoard:
         while size < len(instances):
             size *= 2
         self._size = size
-        self.values = [score(i, inflight.get(i.http_address)) for i in instances]
+        owns = [scoring.own(inflight.get(i.http_address)) for i in instances]
+        self.others = [
+            max(0.0, scoring.announced(i) - own) for i, own in zip(instances, owns, strict=True)
+        ]
+        self.values = [own + other for own, other in zip(owns, self.others, strict=True)]
         self.total = math.fsum(self.values)
         # _best[node]: index of the least loaded candidate under `node` (-1: empty leaf).
         self._best = [-1] * (2 * size)
@@ -80,12 +106,18 @@ class ScoreBoard:
         position = self._positions.get(address)
         if position is None:
             return
-        instance = self.instances[position]
-        new = self._score(instance, self._inflight.get(address))
-        self.total += new - self.values[position]
-        self.values[position] = new
-        node = (self._size + position) // 2
+        values = self.values
+        new = self._own(self._inflight.get(address)) + self.others[position]
+        self.total += new - values[position]
+        values[position] = new
         best = self._best
+        node = (self._size + position) // 2
         while node:
-            best[node] = self._better(best[2 * node], best[2 * node + 1])
+            # The min of two children, inlined: this loop runs on every leg start and end.
+            a, b = best[2 * node], best[2 * node + 1]
+            if a < 0 or (b >= 0 and values[b] < values[a]):
+                a = b
+            if best[node] == a and a != position:
+                break  # nothing above changes: this subtree's best is the same instance
+            best[node] = a
             node //= 2

@@ -270,3 +270,23 @@ def test_a_nixl_prefill_answer_without_kv_transfer_params_is_a_prefill_failure(
         )
         == 1
     )
+
+
+def test_a_registration_contradicting_its_models_geometry_is_logged(
+    fleet_factory: FleetFactory,
+) -> None:
+    fleet = fleet_factory(
+        [
+            WorkerSpec("P", extra_args=geometry("p2p_nccl", 1, "--num-layers", "32")),
+            WorkerSpec("D", extra_args=geometry("p2p_nccl", 1, "--num-layers", "40")),
+        ]
+    )
+    log = (fleet.log_dir / "pdproxy.log").read_text()
+    assert "contradicts" in log
+    assert "num_layers 40 vs 32" in log or "num_layers 32 vs 40" in log
+    # And such a pair is never formed.
+    answer = post_json(
+        fleet.proxy_url + "/v1/completions", {"model": MODEL, "prompt": "x", "max_tokens": 1}
+    )
+    assert answer.status == 503
+    assert "layers" in answer.json()["error"]["message"]
