@@ -3,18 +3,13 @@
 from __future__ import annotations
 
 import argparse
-import logging
+import importlib.util
 import sys
 from collections.abc import Sequence
 
 from pdproxy import __version__
 from pdproxy.config import ConfigError, Settings, add_settings_arguments, load_settings
-
-LOG_FORMAT = "%(asctime)s %(levelname)s %(name)s: %(message)s"
-
-
-def configure_logging(level: str) -> None:
-    logging.basicConfig(level=level.upper(), format=LOG_FORMAT, stream=sys.stderr)
+from pdproxy.logs import configure_logging
 
 
 def serve(settings: Settings) -> int:
@@ -22,7 +17,7 @@ def serve(settings: Settings) -> int:
 
     from pdproxy.proxy.app import create_app
 
-    configure_logging(settings.log_level)
+    configure_logging(settings.log_level, settings.log_format)
     config = uvicorn.Config(
         create_app(settings),
         host=settings.host,
@@ -32,6 +27,7 @@ def serve(settings: Settings) -> int:
         lifespan="on",
         access_log=False,
         log_level=settings.log_level,
+        log_config=None,  # configure_logging did it
         server_header=False,
         proxy_headers=False,
     )
@@ -53,6 +49,13 @@ def _run_serve(args: argparse.Namespace) -> int:
         settings = load_settings(args)
     except ConfigError as exc:
         print(f"pdproxy serve: {exc}", file=sys.stderr)
+        return 2
+    if settings.otel_exporter != "none" and importlib.util.find_spec("opentelemetry") is None:
+        print(
+            f"pdproxy serve: --otel-exporter {settings.otel_exporter} needs OpenTelemetry: "
+            "pip install 'pdproxy[otel]'",
+            file=sys.stderr,
+        )
         return 2
     return serve(settings)
 

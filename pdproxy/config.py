@@ -131,6 +131,12 @@ class Settings(BaseModel):
     upstream_max_connections: int = Field(
         4096, ge=1, description="Cap on upstream exchanges in flight, all instances together."
     )
+    otel_exporter: Literal["none", "otlp", "console"] = Field(
+        "none",
+        description="OpenTelemetry spans for each request and its prefill and decode legs "
+        "(needs the `otel` extra): otlp (configured by OTEL_EXPORTER_OTLP_* variables) or "
+        "console; W3C traceparent is passed to vLLM either way.",
+    )
     prefill_policy: PrefillPolicyName = Field(
         "prefix_affinity",
         description="How a prefill instance is chosen among compatible ones: round_robin, "
@@ -174,6 +180,11 @@ class Settings(BaseModel):
     )
     log_level: Literal["debug", "info", "warning", "error"] = Field(
         "info", description="Log level."
+    )
+    log_format: Literal["text", "json"] = Field(
+        "text",
+        description="text: human-readable lines; json: one JSON object per line, and one "
+        "line per completion request (ids, chosen pair, leg timings, outcome).",
     )
 
     @model_validator(mode="after")

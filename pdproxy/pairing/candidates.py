@@ -10,6 +10,7 @@ from collections.abc import Callable, Iterator
 from typing import Any, TypeVar
 
 from pdproxy.pairing.inflight import InFlight
+from pdproxy.pairing.prefix_cache import PrefixCache
 from pdproxy.pairing.scoreboard import LoadKind, ScoreBoard, scoring
 from pdproxy.registry.table import Instance
 
@@ -18,11 +19,17 @@ T = TypeVar("T")
 
 class Candidates:
     def __init__(
-        self, instances: tuple[Instance, ...], inflight: InFlight, kv_capacity_tokens: int
+        self,
+        instances: tuple[Instance, ...],
+        inflight: InFlight,
+        kv_capacity_tokens: int,
+        prefix_cache: PrefixCache | None = None,
     ) -> None:
         if not instances:
             raise ValueError("a candidate set is never empty")
         self.instances = instances
+        # The planner's model of which instance holds which prompt prefix (read-only here).
+        self.prefix_cache = prefix_cache if prefix_cache is not None else PrefixCache()
         self._inflight = inflight
         self._kv_capacity_tokens = kv_capacity_tokens
         self._boards: dict[LoadKind, ScoreBoard] = {}

@@ -6,11 +6,26 @@ from dataclasses import dataclass
 
 
 @dataclass(frozen=True, slots=True)
+class PrefixWindow:
+    """A hash of the prompt's first `tokens` tokens (or all of it, if shorter)."""
+
+    tokens: int
+    key: int
+
+
+@dataclass(frozen=True, slots=True)
 class RequestFeatures:
     model: str
     # Estimated: exact for token-id prompts, about 4 characters per token for text.
     prompt_tokens: int = 0
     # The KV a decode instance may have to hold for it: prompt plus the tokens it may generate.
     decode_tokens: int = 0
-    # A stable 64-bit hash of the prompt's leading block(s), or None when there is no prompt.
-    prefix_key: int | None = None
+    # Hashes of growing leading windows (each twice the last), shortest first; the first one
+    # places the request for prefix affinity, the longest one an instance was sent tells how
+    # much of the prompt it probably has cached.
+    prefix_windows: tuple[PrefixWindow, ...] = ()
+
+    @property
+    def prefix_key(self) -> int | None:
+        """A stable 64-bit hash of the prompt's leading block(s), or None without a prompt."""
+        return self.prefix_windows[0].key if self.prefix_windows else None

@@ -32,6 +32,7 @@ from pdproxy.pairing.geometry import (
 from pdproxy.pairing.inflight import InFlight
 from pdproxy.pairing.policies.base import Policy
 from pdproxy.pairing.policies.round_robin import RoundRobin
+from pdproxy.pairing.prefix_cache import PrefixCache
 from pdproxy.pairing.report import orphan_reason
 from pdproxy.registry.messages import Connector, Geometry
 from pdproxy.registry.table import Instance, Snapshot
@@ -61,7 +62,7 @@ class Pair:
     prefill: Instance
     decode: Instance
     plan: PairPlan | Unverified
-    prefill_tokens: int = 0  # counted in flight on the prefill until released
+    prefill_tokens: int = 0  # prefill work counted in flight until released
     decode_tokens: int = 0
 
     @property
@@ -140,10 +141,12 @@ class FleetIndex:
         *,
         allow_unknown_geometry: bool = False,
         kv_capacity_tokens: int = DEFAULT_KV_CAPACITY_TOKENS,
+        prefix_cache: PrefixCache | None = None,
     ) -> None:
         self.snapshot = snapshot
         self.allow_unknown_geometry = allow_unknown_geometry
         self._inflight = inflight
+        self._prefix_cache = prefix_cache
         self._kv_capacity_tokens = kv_capacity_tokens
         self.prefill_classes = group(snapshot.prefills)
         self.decode_classes = group(snapshot.decodes)
@@ -185,7 +188,7 @@ class FleetIndex:
         return view
 
     def candidates(self, instances: tuple[Instance, ...]) -> Candidates:
-        return Candidates(instances, self._inflight, self._kv_capacity_tokens)
+        return Candidates(instances, self._inflight, self._kv_capacity_tokens, self._prefix_cache)
 
     def _build(self, model: str) -> FleetView:
         p_keys = [k for k, m in self.prefill_classes.items() if m[0].serves(model)]
@@ -290,6 +293,7 @@ class Planner:
         self.prefill_policy = prefill_policy
         self.decode_policy = decode_policy
         self.inflight = InFlight()
+        self.prefix_cache = PrefixCache()
         self._spread_pairs = spread_pairs
         self._allow_unknown_geometry = allow_unknown_geometry
         self._kv_capacity_tokens = kv_capacity_tokens
@@ -306,6 +310,7 @@ class Planner:
                 self.inflight,
                 allow_unknown_geometry=self._allow_unknown_geometry,
                 kv_capacity_tokens=self._kv_capacity_tokens,
+                prefix_cache=self.prefix_cache,
             )
         return self._index
 
@@ -328,9 +333,14 @@ class Planner:
             # Verdicts are per class, computed with its first member's KV port.
             first = self.index(snapshot).prefill_classes[p_key][0]
             verdict = rebased(verdict, first.zmq_address.port, prefill.zmq_address.port)
-        self.inflight.add(prefill.http_address, request.prompt_tokens)
+        # Prefill work: the part of the prompt the instance probably does not hold already;
+        # at least one token, which vLLM computes even for a fully cached prompt.
+        windows, address = request.prefix_windows, prefill.http_address
+        work = max(1, request.prompt_tokens - self.prefix_cache.cached_tokens(windows, address))
+        self.prefix_cache.record(windows, address)
+        self.inflight.add(address, work)
         self.inflight.add(decode.http_address, request.decode_tokens)
-        return Pair(prefill, decode, verdict, request.prompt_tokens, request.decode_tokens)
+        return Pair(prefill, decode, verdict, work, request.decode_tokens)
 
     def plan_direct(self, snapshot: Snapshot, request: RequestFeatures) -> Direct | None:
         """A decode instance able to compute the prompt itself, or None."""

@@ -20,7 +20,7 @@ from pdproxy.registry.table import Instance
 class LoadKind(StrEnum):
     REQUESTS = "requests"  # requests in flight or queued
     KV = "kv"  # a decode instance's KV cache, as a fraction of its capacity
-    PROMPT_TOKENS = "prompt_tokens"  # prompt tokens in flight: a prefill instance's work
+    PREFILL_WORK = "prefill_work"  # prompt tokens in flight, less what was probably cached
 
 
 @dataclass(frozen=True, slots=True)
@@ -49,7 +49,7 @@ def announced_kv(instance: Instance) -> float:
 def scoring(kind: LoadKind, kv_capacity_tokens: int) -> Scoring:
     if kind is LoadKind.REQUESTS:
         return Scoring(own_requests, announced_requests)
-    if kind is LoadKind.PROMPT_TOKENS:
+    if kind is LoadKind.PREFILL_WORK:
         return Scoring(lambda busy: float(busy.tokens), lambda instance: 0.0)
     return Scoring(lambda busy: busy.tokens / kv_capacity_tokens, announced_kv)
 

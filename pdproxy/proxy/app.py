@@ -8,6 +8,7 @@ from __future__ import annotations
 
 import contextlib
 import logging
+import os
 import time
 from collections.abc import AsyncIterator, Callable, MutableMapping
 from dataclasses import dataclass
@@ -23,6 +24,7 @@ from pdproxy.proxy.completions import CompletionsEndpoint
 from pdproxy.proxy.dispatch import Dispatcher
 from pdproxy.proxy.exchange import Scope
 from pdproxy.proxy.routes import install_routes
+from pdproxy.proxy.tracing import Tracing, build_tracing
 from pdproxy.proxy.upstream import Upstream
 from pdproxy.registry.messages import Role
 from pdproxy.registry.server import RegistryServer
@@ -45,6 +47,7 @@ class AppState:
     upstream: Upstream
     planner: Planner
     dispatcher: Dispatcher
+    tracing: Tracing
     clock: Callable[[], float]
 
 
@@ -81,8 +84,11 @@ async def build_state(settings: Settings, clock: Callable[[], float]) -> AppStat
     upstream = Upstream(settings)
     await upstream.start()
     planner = planner_from(settings)
-    dispatcher = Dispatcher(settings, table, planner, upstream, metrics, clock)
-    return AppState(settings, metrics, table, registry, upstream, planner, dispatcher, clock)
+    tracing = build_tracing(settings.otel_exporter, lambda: os.urandom(8).hex())
+    dispatcher = Dispatcher(settings, table, planner, upstream, metrics, tracing, clock)
+    return AppState(
+        settings, metrics, table, registry, upstream, planner, dispatcher, tracing, clock
+    )
 
 
 class PdproxyApp:
@@ -122,6 +128,7 @@ class PdproxyApp:
             self._hot = {}
             await state.registry.stop()
             await state.upstream.close()
+            state.tracing.shutdown()
             self._state = None
 
     async def __call__(self, scope: Scope, receive: Any, send: Any) -> None:

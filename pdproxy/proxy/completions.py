@@ -13,16 +13,19 @@ import time
 from typing import Any
 
 from pdproxy.config import Settings
+from pdproxy.logs import ACCESS_LOGGER, FIELDS
 from pdproxy.metrics import Metrics
 from pdproxy.proxy.dispatch import Dispatcher
 from pdproxy.proxy.errors import ProxyError
-from pdproxy.proxy.exchange import ClientGone, Exchange, Scope
+from pdproxy.proxy.exchange import ClientGone, ClientHeaders, Exchange, Scope
 from pdproxy.proxy.request import parse_completion
 
 log = logging.getLogger("pdproxy.proxy")
+access = logging.getLogger(ACCESS_LOGGER)
 
 CLIENT_CLOSED = 499  # nginx's convention: the client went away before the answer was complete
 _MAX_ECHO_ID = 256
+_MAX_TRACE_HEADER = 1024
 
 
 class CompletionsEndpoint:
@@ -34,24 +37,32 @@ class CompletionsEndpoint:
         self._dispatcher = dispatcher
         self._requests = metrics.requests
         self._duration = metrics.request_duration.labels(path)
+        self._access_log = settings.log_format == "json"
 
     async def __call__(self, scope: Scope, receive: Any, send: Any) -> None:
         started = time.perf_counter()
-        client_id, authorization, length = _read_headers(scope["headers"])
+        client = _read_headers(scope["headers"])
+        client_id = client.request_id
         exchange = Exchange(scope, receive, send, client_id)
         try:
             if scope["method"] != "POST":
                 raise ProxyError(405, f"method {scope['method']} not allowed; use POST")
             async with asyncio.timeout(self._settings.request_timeout):
-                body = await exchange.read_body(self._settings.max_body_bytes, length)
+                body = await exchange.read_body(
+                    self._settings.max_body_bytes, client.content_length
+                )
                 request = parse_completion(self._path, body)
+                exchange.notes.model, exchange.notes.stream = request.model, request.stream
                 exchange.watch_disconnect()
-                await self._dispatcher.serve(request, exchange, authorization)
+                await self._dispatcher.serve(request, exchange, client)
         except ProxyError as exc:
+            exchange.notes.error = exc.code
             self._log_failure(exc, client_id, exchange.request_id)
             await exchange.fail(exc)
         except TimeoutError:
-            await exchange.fail(self._timed_out(exchange))
+            error = self._timed_out(exchange)
+            exchange.notes.error = error.code
+            await exchange.fail(error)
         except ClientGone:
             exchange.client_gone = True
         except asyncio.CancelledError:
@@ -62,6 +73,7 @@ class CompletionsEndpoint:
                 raise
         except Exception:
             log.exception("unexpected error serving %s (client id %r)", self._path, client_id)
+            exchange.notes.error = "internal"
             await exchange.fail(ProxyError(500, "internal error in pdproxy", code="internal"))
         finally:
             exchange.stop_watching()
@@ -69,7 +81,9 @@ class CompletionsEndpoint:
             elapsed = time.perf_counter() - started
             self._requests.labels(self._path, _STATUS_TEXT.get(status) or str(status)).inc()
             self._duration.observe(elapsed)
-            if log.isEnabledFor(logging.DEBUG):
+            if self._access_log:
+                self._log_access(exchange, status, elapsed, client_id)
+            elif log.isEnabledFor(logging.DEBUG):
                 log.debug(
                     "%s %d in %.1f ms (client id %r, request id %s)",
                     self._path,
@@ -78,6 +92,28 @@ class CompletionsEndpoint:
                     client_id.decode("latin-1") if client_id else None,
                     exchange.request_id or "-",
                 )
+
+    def _log_access(
+        self, exchange: Exchange, status: int, elapsed: float, client_id: bytes | None
+    ) -> None:
+        notes = exchange.notes
+        fields = {
+            "endpoint": self._path,
+            "status": status,
+            "duration_ms": _ms(elapsed),
+            "request_id": exchange.request_id or None,
+            "client_request_id": client_id.decode("latin-1") if client_id else None,
+            "trace_id": notes.trace_id,
+            "model": notes.model,
+            "stream": notes.stream,
+            "prefill": notes.prefill,
+            "decode": notes.decode,
+            "direct": notes.direct,
+            "prefill_ms": _ms(notes.prefill_seconds),
+            "decode_first_byte_ms": _ms(notes.decode_first_byte_seconds),
+            "outcome": _outcome(exchange, status),
+        }
+        access.info("request", extra={FIELDS: fields})
 
     def _timed_out(self, exchange: Exchange) -> ProxyError:
         limit = self._settings.request_timeout
@@ -96,11 +132,25 @@ class CompletionsEndpoint:
         )
 
 
+def _outcome(exchange: Exchange, status: int) -> str:
+    if exchange.client_gone:
+        return "client_gone"
+    if exchange.notes.error:
+        return exchange.notes.error
+    # No error of ours: a 4xx is the instance's own refusal, relayed.
+    return "instance_refused" if status >= 400 else "ok"
+
+
+def _ms(seconds: float | None) -> float | None:
+    return None if seconds is None else round(seconds * 1000, 3)
+
+
 _STATUS_TEXT = {code: str(code) for code in (200, 400, 404, 408, 413, 499, 502, 503, 504)}
 
 
-def _read_headers(raw: list[tuple[bytes, bytes]]) -> tuple[bytes | None, str | None, int | None]:
-    client_id = authorization = length = None
+def _read_headers(raw: list[tuple[bytes, bytes]]) -> ClientHeaders:
+    client_id = authorization = traceparent = tracestate = None
+    length = None
     for name, value in raw:
         if name == b"x-request-id":
             client_id = value[:_MAX_ECHO_ID]
@@ -108,4 +158,8 @@ def _read_headers(raw: list[tuple[bytes, bytes]]) -> tuple[bytes | None, str | N
             authorization = value.decode("latin-1")
         elif name == b"content-length" and value.isdigit():
             length = int(value)
-    return client_id, authorization, length
+        elif name == b"traceparent":
+            traceparent = value[:_MAX_TRACE_HEADER].decode("latin-1")
+        elif name == b"tracestate":
+            tracestate = value[:_MAX_TRACE_HEADER].decode("latin-1")
+    return ClientHeaders(client_id, authorization, length, traceparent, tracestate)

@@ -21,10 +21,12 @@ from pdproxy.metrics import DECODE, PREFILL, Metrics
 from pdproxy.pairing.features import RequestFeatures
 from pdproxy.pairing.planner import Direct, NoPair, Pair, Planner
 from pdproxy.proxy.errors import ProxyError
-from pdproxy.proxy.exchange import Exchange
+from pdproxy.proxy.exchange import ClientHeaders, Exchange
 from pdproxy.proxy.kv_params import PARAMS_FIELD, params_from_answer, prefill_params, uses_params
 from pdproxy.proxy.prompt import request_features
 from pdproxy.proxy.request import CompletionRequest
+from pdproxy.proxy.trace_context import trace_context
+from pdproxy.proxy.tracing import RequestTrace, Tracing
 from pdproxy.proxy.upstream import Reply, Upstream, UpstreamError
 from pdproxy.registry.table import Instance, RegistryTable
 
@@ -47,6 +49,7 @@ class Dispatcher:
         planner: Planner,
         upstream: Upstream,
         metrics: Metrics,
+        tracing: Tracing,
         clock: Callable[[], float] = time.monotonic,
         new_uid: Callable[[], str] = lambda: os.urandom(16).hex(),
     ) -> None:
@@ -55,6 +58,7 @@ class Dispatcher:
         self._planner = planner
         self._upstream = upstream
         self._metrics = metrics
+        self._tracing = tracing
         self._clock = clock
         self._new_uid = new_uid
         self._retry_after = ((b"retry-after", str(settings.retry_after_seconds).encode()),)
@@ -81,16 +85,30 @@ class Dispatcher:
         return headers
 
     async def serve(
-        self, request: CompletionRequest, exchange: Exchange, authorization: str | None
+        self, request: CompletionRequest, exchange: Exchange, client: ClientHeaders
     ) -> None:
         """Run both legs (or only decode, for a short prompt) and answer through `exchange`."""
+        context = trace_context(client.traceparent, client.tracestate, self._new_uid())
+        with self._tracing.request(context, request.path) as trace:
+            exchange.notes.trace_id = trace.trace_id
+            await self._serve_traced(request, exchange, client.authorization, trace)
+
+    async def _serve_traced(
+        self,
+        request: CompletionRequest,
+        exchange: Exchange,
+        authorization: str | None,
+        trace: RequestTrace,
+    ) -> None:
         features = self.features(request)
         if features.prompt_tokens < self._settings.disagg_min_tokens:
             direct = self._planner.plan_direct(self._table.snapshot(self._clock()), features)
             if direct is not None:
-                await self._serve_direct(direct, request, exchange, authorization)
+                await self._serve_direct(direct, request, exchange, authorization, trace)
                 return
+        notes = exchange.notes
         pair = self.choose(features)
+        notes.prefill, notes.decode = pair.prefill.name, pair.decode.name
         release = self._planner.release
         prefill_held = True
         try:
@@ -100,7 +118,10 @@ class Dispatcher:
             exchange.request_id = request_id
             headers = self.leg_headers(request_id, authorization)
             with_params = uses_params(pair.connector)
-            answer = await self._prefill(pair.prefill, request, headers, with_params)
+            started = time.perf_counter()
+            with trace.leg(PREFILL, pair.prefill.name) as span:
+                answer = await self._prefill(pair.prefill, request, headers | span, with_params)
+            notes.prefill_seconds = time.perf_counter() - started
             release(pair.prefill.http_address, pair.prefill_tokens)
             prefill_held = False
             if answer.status >= 400:
@@ -108,7 +129,9 @@ class Dispatcher:
                 await exchange.whole(answer.status, answer.content_type.encode(), answer.body)
                 return
             params = self._kv_params(pair.prefill, answer) if with_params else None
-            await self._decode(pair.decode, request.decode_body(params), request, headers, exchange)
+            with trace.leg(DECODE, pair.decode.name) as span:
+                body = request.decode_body(params)
+                await self._decode(pair.decode, body, request, headers | span, exchange)
         finally:
             if prefill_held:
                 release(pair.prefill.http_address, pair.prefill_tokens)
@@ -120,13 +143,16 @@ class Dispatcher:
         request: CompletionRequest,
         exchange: Exchange,
         authorization: str | None,
+        trace: RequestTrace,
     ) -> None:
         self._metrics.direct.inc()
+        exchange.notes.decode, exchange.notes.direct = direct.decode.name, True
         try:
             # No tag: the decode instance's connector computes the prompt itself.
             exchange.request_id = self._new_uid()
             headers = self.leg_headers(exchange.request_id, authorization)
-            await self._decode(direct.decode, request.body, request, headers, exchange)
+            with trace.leg(DECODE, direct.decode.name) as span:
+                await self._decode(direct.decode, request.body, request, headers | span, exchange)
         finally:
             self._planner.release(direct.decode.http_address, direct.decode_tokens)
 
@@ -205,12 +231,18 @@ class Dispatcher:
                         )
                     if not request.stream:
                         body = await stream.read_all(settings.max_response_bytes)
-                        self._metrics.decode_first_byte.observe(time.perf_counter() - started)
+                        exchange.notes.decode_first_byte_seconds = time.perf_counter() - started
+                        self._metrics.decode_first_byte.observe(
+                            exchange.notes.decode_first_byte_seconds
+                        )
                         deadline.reschedule(None)
                         await exchange.whole(stream.status, stream.content_type.encode(), body)
                         return
                     chunk = await stream.next_chunk()
-                    self._metrics.decode_first_byte.observe(time.perf_counter() - started)
+                    exchange.notes.decode_first_byte_seconds = time.perf_counter() - started
+                    self._metrics.decode_first_byte.observe(
+                        exchange.notes.decode_first_byte_seconds
+                    )
                     deadline.reschedule(None)
                     await exchange.start_stream(stream.status, stream.content_type.encode())
                     wait.what, wait.limit = "next chunk", settings.stream_idle_timeout

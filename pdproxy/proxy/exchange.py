@@ -10,6 +10,7 @@ from __future__ import annotations
 
 import asyncio
 import contextlib
+from dataclasses import dataclass
 from typing import Any
 
 from pdproxy.proxy.errors import ProxyError, error_body
@@ -20,6 +21,32 @@ Headers = list[tuple[bytes, bytes]]
 
 JSON = b"application/json"
 SSE_DONE = b"data: [DONE]\n\n"
+
+
+@dataclass(frozen=True, slots=True)
+class ClientHeaders:
+    """The few request headers the proxy reads."""
+
+    request_id: bytes | None = None  # X-Request-Id, echoed back, never sent upstream
+    authorization: str | None = None
+    content_length: int | None = None
+    traceparent: str | None = None
+    tracestate: str | None = None
+
+
+@dataclass(slots=True)
+class RequestNotes:
+    """What the access log says about one request, filled in as it goes."""
+
+    model: str | None = None
+    stream: bool | None = None
+    prefill: str | None = None  # the chosen instances' names (http addresses)
+    decode: str | None = None
+    direct: bool = False  # conditional disaggregation: no prefill leg
+    prefill_seconds: float | None = None
+    decode_first_byte_seconds: float | None = None
+    error: str | None = None  # the error code the client got
+    trace_id: str | None = None
 
 
 class ClientGone(Exception):
@@ -40,6 +67,7 @@ class Exchange:
         self.client_gone = False
         self.body_read = False
         self.request_id = ""  # the tagged id, once a pair was chosen (for logs)
+        self.notes = RequestNotes()
         self._streaming = False
         self._watcher: asyncio.Task[None] | None = None
 

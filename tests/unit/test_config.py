@@ -78,6 +78,8 @@ SAMPLES: dict[str, tuple[str, Any]] = {
     "retry_after_seconds": ("3", 3),
     "upstream_max_connections": ("16", 16),
     "log_level": ("debug", "debug"),
+    "log_format": ("json", "json"),
+    "otel_exporter": ("console", "console"),
     "prefill_policy": ("power_of_two", "power_of_two"),
     "decode_policy": ("least_loaded", "least_loaded"),
     "prefix_affinity_tokens": ("64", 64),

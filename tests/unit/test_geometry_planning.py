@@ -17,7 +17,7 @@ from hypothesis import strategies as st
 
 from pdproxy.ids import Address
 from pdproxy.pairing.candidates import Candidates
-from pdproxy.pairing.features import RequestFeatures
+from pdproxy.pairing.features import PrefixWindow, RequestFeatures
 from pdproxy.pairing.geometry import (
     Incompatible,
     PairPlan,
@@ -111,8 +111,13 @@ def v0_dec(n: int) -> Instance:
     return dec(n, None, None, None)
 
 
+def keyed(tokens: int, key: int | None) -> tuple[PrefixWindow, ...]:
+    """A prompt of `tokens` tokens whose one prefix window hashes to `key` (None: no prefix)."""
+    return () if key is None else (PrefixWindow(min(256, tokens), key),)
+
+
 def rq(key: int | None = None, model: str = "m") -> RequestFeatures:
-    return RequestFeatures(model, 100, 300, key)
+    return RequestFeatures(model, 100, 300, keyed(100, key))
 
 
 def rr() -> Planner:
@@ -558,13 +563,22 @@ def test_plan_then_release_returns_inflight_to_empty(
 ) -> None:
     planner = Planner(make_policy(prefill_policy), make_policy(decode_policy))
     rng = random.Random(1)
+    leads = [rng.getrandbits(64) for _ in range(4)]
+    sent: set[tuple[int, Address]] = set()  # (lead, prefill) pairs planned so far
     held = []
     for i in range(60):
-        request = RequestFeatures("m", i, 10 * i + 5, rng.getrandbits(64))
+        # 16 + i tokens, the first 16 one of a few shared leads: the prefill's work (what is
+        # counted in flight, and released) is the prompt less the 16 if it was sent the lead.
+        lead = rng.choice(leads)
+        request = RequestFeatures("m", 16 + i, 10 * i + 5, (PrefixWindow(16, lead),))
         result = planner.plan(MIXED, request)
         assert isinstance(result, Pair)
-        assert (result.prefill_tokens, result.decode_tokens) == (i, 10 * i + 5)
+        address = result.prefill.http_address
+        work = 16 + i - (16 if (lead, address) in sent else 0)
+        assert (result.prefill_tokens, result.decode_tokens) == (work, 10 * i + 5)
+        sent.add((lead, address))
         held.append(result)
+    assert sum(pair.prefill_tokens < 16 + i for i, pair in enumerate(held)) > 10
     by_address: Counter[Address] = Counter()
     tokens: Counter[Address] = Counter()
     for pair in held:

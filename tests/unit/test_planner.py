@@ -25,6 +25,7 @@ from pdproxy.pairing.planner import (
 )
 from pdproxy.pairing.policies.base import Policy
 from pdproxy.pairing.policies.round_robin import RoundRobin
+from pdproxy.proxy.prompt import request_features
 from pdproxy.registry.messages import Role
 from pdproxy.registry.table import Instance, Snapshot, Source
 
@@ -491,3 +492,104 @@ def test_ready_iff_some_model_can_be_planned(
     )
     plannable = any(isinstance(planner().plan(snapshot, rq(m)), Pair) for m in ("a", "b", "zzz"))
     assert readiness(index_of(snapshot)).ready is plannable
+
+
+# ---------------------------------------------------------------------------------------------
+# prefill work: the prompt less what the prefill probably holds
+
+
+SYSTEM = {"role": "system", "content": "You are a careful assistant. " * 80}  # 2,320 chars
+
+
+def turn(question: str) -> RequestFeatures:
+    """A chat request under SYSTEM, its features as the proxy computes them (windows of 256,
+    512 ... tokens)."""
+    payload = {"messages": [SYSTEM, {"role": "user", "content": question}], "max_tokens": 50}
+    return request_features(payload, "m", True, 256)
+
+
+def test_a_prefill_sent_the_system_prompt_before_counts_only_the_rest() -> None:
+    first, second, third = turn("What is the weather?"), turn("Tell me a joke."), turn("Why?")
+    # The system prompt (with its framing, about 583 tokens) fills the 256 and 512 windows.
+    assert [w.tokens for w in first.prefix_windows] == [256, 512, first.prompt_tokens]
+    assert first.prefix_windows[:2] == second.prefix_windows[:2] == third.prefix_windows[:2]
+    assert first.prefix_windows[2] != second.prefix_windows[2]
+
+    pl = planner()  # round robin: p1, p2, p1
+    prefills = (p(1), p(2))
+    snapshot = snap(prefills, (d(1),))
+    a, b, c = (pl.plan(snapshot, request) for request in (first, second, third))
+    assert isinstance(a, Pair) and isinstance(b, Pair) and isinstance(c, Pair)
+    assert (a.prefill, b.prefill, c.prefill) == (prefills[0], prefills[1], prefills[0])
+    # p1 and p2 had never been sent the system prompt: the whole prompt is work.
+    assert a.prefill_tokens == first.prompt_tokens
+    assert b.prefill_tokens == second.prompt_tokens
+    # p1 was: the third request's work is its tokens past the 512 it holds.
+    assert c.prefill_tokens == third.prompt_tokens - 512 < 100
+    assert (c.decode_tokens, a.decode_tokens) == (third.decode_tokens, first.decode_tokens)
+    # In flight: the work, not the prompt tokens.
+    busy = pl.inflight.get(prefills[0].http_address)
+    assert (busy.requests, busy.tokens) == (2, a.prefill_tokens + c.prefill_tokens)
+    assert pl.inflight.get(prefills[1].http_address).tokens == second.prompt_tokens
+    for pair in (c, a, b):
+        pl.release(pair.prefill.http_address, pair.prefill_tokens)
+        pl.release(pair.decode.http_address, pair.decode_tokens)
+    assert pl.inflight._busy == {}
+    assert pl.inflight.total_requests() == 0
+    # The cache outlives the legs. The same prompt again, to the prefill it was sent to, is
+    # held whole by this model: its longest window is the whole prompt, so the work is the one
+    # token vLLM computes even for a fully cached prompt (never 0: the load bound must see it).
+    again = pl.plan(snapshot, second)  # ticket 3: p2
+    assert isinstance(again, Pair)
+    assert again.prefill == prefills[1]
+    assert again.prefill_tokens == 1
+
+
+def test_work_is_computed_before_the_request_is_recorded() -> None:
+    # The first request of a prefix counts all of it, though it is then recorded as held.
+    pl = Planner(_Recording(), _Recording())
+    snapshot = snap((p(1),), (d(1),))
+    request = turn("Hello")
+    result = pl.plan(snapshot, request)
+    assert isinstance(result, Pair)
+    assert result.prefill_tokens == request.prompt_tokens
+    address = p(1).http_address
+    assert pl.prefix_cache.cached_tokens(request.prefix_windows, address) == request.prompt_tokens
+    assert pl.inflight.get(address).tokens == request.prompt_tokens
+
+
+def test_requests_without_windows_are_all_work() -> None:
+    pl = Planner(_Recording(), _Recording())
+    snapshot = snap((p(1),), (d(1),))
+    request = RequestFeatures("m", 700, 800)
+    for k in range(1, 4):
+        result = pl.plan(snapshot, request)
+        assert isinstance(result, Pair)
+        assert result.prefill_tokens == 700
+        assert pl.inflight.get(p(1).http_address).tokens == 700 * k
+    assert len(pl.prefix_cache) == 0
+
+
+def test_candidates_read_the_planners_prefix_cache() -> None:
+    pl = planner()
+    snapshot = snap((p(1), p(2)), (d(1),))
+    view = pl.index(snapshot).view("m")
+    assert view.prefills is not None
+    assert view.prefills.prefix_cache is pl.prefix_cache
+    assert view.decodes_for(p(1)).prefix_cache is pl.prefix_cache
+    # A new snapshot's index shares the same cache: what was sent stays known.
+    newer = snap((p(1), p(2)), (d(1),), version=2)
+    view = pl.index(newer).view("m")
+    assert view.prefills is not None
+    assert view.prefills.prefix_cache is pl.prefix_cache
+    # Two planners do not share one.
+    assert planner().prefix_cache is not pl.prefix_cache
+    # Built on its own, a candidate set has an empty cache of its own.
+    alone = Candidates((p(1),), InFlight(), 1000)
+    assert len(alone.prefix_cache) == 0
+    assert alone.prefix_cache is not Candidates((p(1),), InFlight(), 1000).prefix_cache
+    # So has a FleetIndex built without one.
+    standalone = index_of(snapshot).view("m").prefills
+    assert standalone is not None
+    assert standalone.prefix_cache is not pl.prefix_cache
+    assert len(standalone.prefix_cache) == 0

@@ -5,7 +5,8 @@ request's features and a ticket; every test below builds those by hand.
 
 Load-based policies score an instance as the proxy's own legs there now plus others' load: the
 announcement less the proxy's legs there when the candidate set's board was built (never
-below 0). Prefix affinity balances prefill work only: the prompt tokens of the proxy's legs.
+below 0). Prefix affinity balances prefill work only: the prompt tokens of the proxy's legs,
+less what each prefill probably holds cached (the planner's PrefixCache).
 """
 
 from __future__ import annotations
@@ -20,7 +21,7 @@ import pytest
 
 from pdproxy.ids import Address
 from pdproxy.pairing.candidates import Candidates
-from pdproxy.pairing.features import RequestFeatures
+from pdproxy.pairing.features import PrefixWindow, RequestFeatures
 from pdproxy.pairing.inflight import InFlight
 from pdproxy.pairing.planner import Pair, Planner
 from pdproxy.pairing.policies import make_policy
@@ -35,6 +36,7 @@ from pdproxy.pairing.policies.prefix_affinity import (
     instance_points,
 )
 from pdproxy.pairing.policies.round_robin import RoundRobin
+from pdproxy.pairing.prefix_cache import PrefixCache
 from pdproxy.pairing.scoreboard import LoadKind
 from pdproxy.registry.messages import Load, Role
 from pdproxy.registry.table import Instance, Snapshot, Source
@@ -71,8 +73,41 @@ def cands(
     return Candidates(instances, inflight if inflight is not None else InFlight(), capacity)
 
 
-def keyed(key: int) -> RequestFeatures:
-    return RequestFeatures("m", 100, 200, key)
+def keyed(tokens: int, key: int | None) -> tuple[PrefixWindow, ...]:
+    """A prompt of `tokens` tokens whose first (and only) prefix window hashes to `key`: the
+    key places the request on the ring; None is a request without a prefix."""
+    return () if key is None else (PrefixWindow(min(256, tokens), key),)
+
+
+def req(key: int) -> RequestFeatures:
+    return RequestFeatures("m", 100, 200, keyed(100, key))
+
+
+def key_of(*parts: object) -> int:
+    return int.from_bytes(hashlib.blake2b(repr(parts).encode(), digest_size=8).digest(), "big")
+
+
+def chain(
+    tokens: int, lead: int, shared: int | None = None, branch: object = None
+) -> tuple[PrefixWindow, ...]:
+    """The windows request_features gives a prompt of `tokens` tokens: 256, 512 ... tokens (at
+    most 6, none for an empty prompt), the last one cut at the whole prompt. Its first `shared`
+    tokens (all of them when None) are the lead `lead`, common to every prompt of that lead;
+    the rest is its own (`branch`). The first window's key is `lead` itself (while within the
+    lead): it places the request on the ring as req(lead) does."""
+    windows: list[PrefixWindow] = []
+    cut = 256
+    while tokens > 0 and len(windows) < 6 and (not windows or windows[-1].tokens < tokens):
+        size = min(cut, tokens)
+        if shared is not None and size > shared:
+            key = key_of(lead, branch, size)
+        elif not windows:
+            key = lead
+        else:
+            key = key_of(lead, size)
+        windows.append(PrefixWindow(size, key))
+        cut *= 2
+    return tuple(windows)
 
 
 def keys(n: int, seed: int = 7) -> list[int]:
@@ -128,7 +163,7 @@ def test_round_robin_cycles_by_ticket_whatever_the_load() -> None:
     inflight.add(instances[0].http_address, 0)
     candidates = cands(instances, inflight)
     policy = RoundRobin()
-    assert [policy.choose(candidates, keyed(5), t) for t in range(7)] == [
+    assert [policy.choose(candidates, req(5), t) for t in range(7)] == [
         instances[t % 3] for t in range(7)
     ]
     assert policy.choose(candidates, NO_PREFIX, 3_000_000_001) == instances[3_000_000_001 % 3]
@@ -206,9 +241,7 @@ def test_least_loaded_ignores_features_and_tickets() -> None:
     policy = LeastLoaded()
     instances = (p(1, Load(running=5)), p(2, Load(running=4)))
     candidates = cands(instances)
-    assert {policy.choose(candidates, keyed(k), t) for t, k in enumerate(keys(20))} == {
-        instances[1]
-    }
+    assert {policy.choose(candidates, req(k), t) for t, k in enumerate(keys(20))} == {instances[1]}
 
 
 # ---------------------------------------------------------------------------------------------
@@ -407,7 +440,7 @@ def test_power_of_two_is_deterministic_per_ticket_and_seed() -> None:
     assert a == b
     assert a != c
     # The features do not matter, only the ticket.
-    assert a == [PowerOfTwo(42).choose(candidates, keyed(t), t) for t in range(200)]
+    assert a == [PowerOfTwo(42).choose(candidates, req(t), t) for t in range(200)]
 
 
 def test_power_of_two_keeps_inflight_legs_even() -> None:
@@ -428,11 +461,17 @@ def test_power_of_two_keeps_inflight_legs_even() -> None:
 # prefix affinity
 
 # The design, restated independently of the module: each instance owns 64 ring points, the
-# 8-byte little-endian words of shake_128(str(address)); a key walks the ring clockwise from
-# bisect_left(points, key) for at most 32 points and takes the first owner whose prompt tokens
-# in flight plus the request's would stay within
-#     cap = max(load_factor * (total + work) / n, least + work),   work = max(1, prompt_tokens);
-# else the least loaded. Loads are the proxy's own prompt tokens in flight, nothing announced.
+# 8-byte little-endian words of shake_128(str(address)); a key (the request's first prefix
+# window's) walks the ring clockwise from bisect_left(points, key) for at most 32 points and
+# takes the first owner whose prefill work in flight plus its work for this request would stay
+# within
+#     cap = max(load_factor * (total + full) / n, least + full),   full = max(1, prompt_tokens);
+# else the least loaded. An owner's work for the request is `full` less the tokens of the
+# request's longest window it probably holds (it was recorded there). Loads are the prefill
+# work of the proxy's own legs in flight, nothing announced. A Candidates built without a
+# prefix cache (cands() below) has an empty one: every owner's work is the whole prompt.
+
+Held = dict[int, set[Address]]  # the oracle's prefix cache: window key -> its holders
 
 
 def ring_words(address: Address) -> list[int]:
@@ -456,7 +495,17 @@ def distinct(owners: list[int]) -> list[int]:
 
 
 def prompt_loads(instances: tuple[Instance, ...], inflight: InFlight) -> list[int]:
+    """Prefill work in flight per instance (InFlight's tokens: what the legs added)."""
     return [inflight.get(i.http_address).tokens for i in instances]
+
+
+def held_tokens(held: Held, windows: tuple[PrefixWindow, ...], address: Address) -> int:
+    return max((w.tokens for w in windows if address in held.get(w.key, ())), default=0)
+
+
+def hold(held: Held, windows: tuple[PrefixWindow, ...], address: Address) -> None:
+    for window in windows:
+        held.setdefault(window.key, set()).add(address)
 
 
 def expected_choice(
@@ -464,15 +513,18 @@ def expected_choice(
     inflight: InFlight,
     request: RequestFeatures,
     load_factor: float,
+    held: Held | None = None,
 ) -> int:
     loads = prompt_loads(instances, inflight)
     least = min(range(len(loads)), key=lambda i: (loads[i], i))
     if request.prefix_key is None or len(instances) == 1:
         return least
-    work = max(1, request.prompt_tokens)
-    cap = max(load_factor * (sum(loads) + work) / len(loads), loads[least] + work)
+    full = max(1, request.prompt_tokens)
+    cap = max(load_factor * (sum(loads) + full) / len(loads), loads[least] + full)
     for owner in walk(instances, request.prefix_key)[:32]:
-        if loads[owner] + work <= cap:
+        address = instances[owner].http_address
+        cached = held_tokens(held, request.prefix_windows, address) if held else 0
+        if loads[owner] + full - cached <= cap:
             return owner
     return least
 
@@ -484,7 +536,7 @@ def home_of(instances: tuple[Instance, ...], key: int) -> Instance:
 def owners(policy: PrefixAffinity, instances: tuple[Instance, ...], ks: list[int]) -> list[str]:
     """Where each key goes over an idle fleet, by instance name."""
     candidates = cands(instances)
-    return [policy.choose(candidates, keyed(k), 0).name for k in ks]
+    return [policy.choose(candidates, req(k), 0).name for k in ks]
 
 
 def test_prefix_affinity_rejects_load_factor_below_one() -> None:
@@ -523,19 +575,19 @@ def test_same_prefix_lands_on_the_same_prefill_while_balanced() -> None:
     inflight = InFlight()
     candidates = cands(instances, inflight)
     ks = keys(50)
-    home = {key: policy.choose(candidates, keyed(key), 0) for key in ks}
+    home = {key: policy.choose(candidates, req(key), 0) for key in ks}
     assert home == {key: home_of(instances, key) for key in ks}  # the ring's owner
     for ticket in range(1, 4):
         for key in ks:
             # Each leg ends before the next starts.
-            choice = policy.choose(candidates, keyed(key), ticket)
+            choice = policy.choose(candidates, req(key), ticket)
             assert choice == home[key]
             inflight.add(choice.http_address, 100)
             inflight.remove(choice.http_address, 100)
         # Every instance equally busy with other work: still balanced, still home.
         for instance in instances:
             inflight.add(instance.http_address, 100)
-    assert all(policy.choose(candidates, keyed(key), 9) == home[key] for key in ks)
+    assert all(policy.choose(candidates, req(key), 9) == home[key] for key in ks)
 
 
 @pytest.mark.parametrize("load_factor", [1.0, 1.25, 3.0])
@@ -554,7 +606,7 @@ def test_an_evenly_loaded_fleet_honours_the_prefix_whatever_the_prompts_size(
     policy = PrefixAffinity(load_factor)
     for key in [*keys(40), 0, (1 << 64) - 1]:
         for tokens in (0, 1, 100, 10**6):
-            request = RequestFeatures("m", tokens, 2 * tokens, key)
+            request = RequestFeatures("m", tokens, 2 * tokens, keyed(tokens, key))
             assert policy.choose(candidates, request, 0) == home_of(instances, key)
 
 
@@ -564,7 +616,9 @@ def test_prefix_affinity_ignores_ticket_and_token_counts() -> None:
     candidates = cands(instances)
     for key in keys(30):
         chosen = {
-            policy.choose(candidates, RequestFeatures("m", tokens, 2 * tokens, key), ticket)
+            policy.choose(
+                candidates, RequestFeatures("m", tokens, 2 * tokens, keyed(tokens, key)), ticket
+            )
             for ticket, tokens in ((0, 1), (7, 10), (99, 10_000))
         }
         assert chosen == {home_of(instances, key)}
@@ -576,15 +630,15 @@ def test_keys_past_the_last_point_wrap_to_the_first() -> None:
     candidates = cands(instances)
     policy = PrefixAffinity()
     first, last = ring.points[0], ring.points[-1]
-    assert policy.choose(candidates, keyed(last + 1), 0) == instances[ring.owners[0]]
-    assert policy.choose(candidates, keyed((1 << 64) - 1), 0) == instances[ring.owners[0]]
-    assert policy.choose(candidates, keyed(0), 0) == instances[ring.owners[0]]
+    assert policy.choose(candidates, req(last + 1), 0) == instances[ring.owners[0]]
+    assert policy.choose(candidates, req((1 << 64) - 1), 0) == instances[ring.owners[0]]
+    assert policy.choose(candidates, req(0), 0) == instances[ring.owners[0]]
     # A key equal to a point belongs to that point's owner (bisect_left), one past it to the
     # next point's.
     for k in (0, 1, len(ring.points) // 2, len(ring.points) - 2):
         point = ring.points[k]
-        assert policy.choose(candidates, keyed(point), 0) == instances[ring.owners[k]]
-        assert policy.choose(candidates, keyed(point + 1), 0) == instances[ring.owners[k + 1]]
+        assert policy.choose(candidates, req(point), 0) == instances[ring.owners[k]]
+        assert policy.choose(candidates, req(point + 1), 0) == instances[ring.owners[k + 1]]
     assert first < last
 
 
@@ -646,7 +700,7 @@ def test_flooding_one_prefix_respects_the_load_bound(n: int, load_factor: float,
     instances = tuple(p(i) for i in range(n))
     inflight = InFlight()
     candidates = cands(instances, inflight)
-    hot = RequestFeatures("m", work, 2 * work, HOT)
+    hot = RequestFeatures("m", work, 2 * work, keyed(work, HOT))
     home = home_of(instances, HOT)
     for ticket in range(300):
         before = prompt_loads(instances, inflight)
@@ -681,7 +735,8 @@ def test_flooding_with_prompts_of_every_size_respects_the_load_bound(load_factor
             instance, tokens = legs.pop(rng.randrange(len(legs)))
             inflight.remove(instance.http_address, tokens)
         tokens = rng.choice((0, 1, 30, 700, 4000))
-        request = RequestFeatures("m", tokens, tokens, rng.choice((HOT, HOT, HOT, 77)))
+        key = rng.choice((HOT, HOT, HOT, 77))
+        request = RequestFeatures("m", tokens, tokens, keyed(tokens, key))
         work = max(1, tokens)
         before = prompt_loads(instances, inflight)
         bound = max(load_factor * (sum(before) + work) / n, min(before) + work)
@@ -704,7 +759,9 @@ def test_the_bound_is_inclusive_and_counts_the_requests_work() -> None:
         for position in range(4):
             inflight.add(instances[position].http_address, 100)
         inflight.add(instances[home].http_address, home_tokens - 100)
-        return policy.choose(cands(instances, inflight), RequestFeatures("m", work, 0, HOT), 0)
+        return policy.choose(
+            cands(instances, inflight), RequestFeatures("m", work, 0, keyed(work, HOT)), 0
+        )
 
     # home 200, others 100: cap = 2 x 600 / 4 = 300 and 200 + 100 <= 300: home.
     assert choose(200, 100) == instances[home]
@@ -726,7 +783,7 @@ def test_an_empty_prompt_still_weighs_one_token() -> None:
     policy = PrefixAffinity(1.25)
     # Counted as 0 tokens, home would fit: 5 <= 1.25 x 17 / 4 = 5.3125. As 1 it does not:
     # 6 > 1.25 x 18 / 4 = 5.625, nor do its neighbours (7); the idle instance does.
-    empty = RequestFeatures("m", 0, 10, HOT)
+    empty = RequestFeatures("m", 0, 10, keyed(0, HOT))
     assert policy.choose(candidates, empty, 0) == instances[idle]
     assert expected_choice(instances, inflight, empty, 1.25) == idle
 
@@ -741,7 +798,7 @@ def test_hot_prefix_spills_to_its_ring_neighbours_in_order() -> None:
     for instance in instances:
         for _ in range(10):
             inflight.add(instance.http_address, 100)
-    hot = RequestFeatures("m", 100, 200, HOT)
+    hot = RequestFeatures("m", 100, 200, keyed(100, HOT))
     order = [instances[position] for position in distinct(walk(instances, HOT))]
     seen = []
     for ticket in range(12):
@@ -788,7 +845,7 @@ def test_the_walk_visits_up_to_max_walk_points() -> None:
     for position in busy:
         inflight.add(instances[position].http_address, 10_000)
     candidates = cands(instances, inflight)
-    request = RequestFeatures("m", 100, 0, key)
+    request = RequestFeatures("m", 100, 0, keyed(100, key))
     assert PrefixAffinity(1.25).choose(candidates, request, 0) == instances[walked[31]]
 
 
@@ -814,17 +871,62 @@ def test_after_max_walk_busy_points_the_prefix_spills_to_the_least_loaded() -> N
     least = idle[-1] if idle[-1] != walked[32] else idle[-2]
     inflight.remove(instances[least].http_address, 50)
     candidates = cands(instances, inflight)
-    request = RequestFeatures("m", 100, 0, key)
+    request = RequestFeatures("m", 100, 0, keyed(100, key))
     assert PrefixAffinity(1.25).choose(candidates, request, 0) == instances[least]
     # With the 33rd point's owner the least loaded, the answer is the same instance by
     # either route: the walk stops at 32 points, it does not skip to the least loaded early.
     assert expected_choice(instances, inflight, request, 1.25) == least
 
 
+def test_a_busy_homes_neighbour_holding_the_prefix_takes_it_before_one_that_does_not() -> None:
+    # 4 instances, load factor 1.25, a 1,000-token prompt of the hot lead (windows 256, 512,
+    # 1,000). Prefill work in flight: the home 2,500, its next two ring neighbours 1,000 each,
+    # the last one idle. cap = max(1.25 x (4,500 + 1,000) / 4, 0 + 1,000) = 1,718.75.
+    instances = tuple(p(i) for i in range(4))
+    home, first, second, idle = distinct(walk(instances, HOT))
+    request = RequestFeatures("m", 1000, 1100, chain(1000, HOT))
+    assert [w.tokens for w in request.prefix_windows] == [256, 512, 1000]
+    policy = PrefixAffinity(1.25)
+
+    def choose(holders: dict[int, int]) -> Instance:
+        """holders: position -> the size of an earlier prompt of the lead sent there."""
+        inflight = InFlight()
+        for position, work in ((home, 2500), (first, 1000), (second, 1000)):
+            inflight.add(instances[position].http_address, work)
+        cache = PrefixCache()
+        held: Held = {}
+        for position, tokens in holders.items():
+            cache.record(chain(tokens, HOT), instances[position].http_address)
+            hold(held, chain(tokens, HOT), instances[position].http_address)
+        choice = policy.choose(Candidates(instances, inflight, CAPACITY, cache), request, 0)
+        assert instances.index(choice) == expected_choice(instances, inflight, request, 1.25, held)
+        return choice
+
+    # Nobody else holds it; the home holds all of it but 2,500 + 0 > cap: the idle one.
+    assert choose({home: 1000}) == instances[idle]
+    # The second neighbour was sent a 600-token prompt of the lead: it holds 512 tokens and
+    # 1,000 + 1,000 - 512 = 1,488 <= cap. The first neighbour, as busy but not a holder
+    # (1,000 + 1,000 = 2,000 > cap), is passed over.
+    assert choose({home: 1000, second: 600}) == instances[second]
+    # Holding only the first window (a 300-token prompt: 256 tokens) is not enough:
+    # 1,000 + 1,000 - 256 = 1,744 > cap.
+    assert choose({home: 1000, second: 300}) == instances[idle]
+    # Both neighbours hold 512 tokens: the ring order decides.
+    assert choose({first: 600, second: 600}) == instances[first]
+    # Holding a different lead is no help (the keys differ from the first window on).
+    other = PrefixCache()
+    other.record(chain(600, HOT ^ 1), instances[second].http_address)
+    inflight = InFlight()
+    for position, work in ((home, 2500), (first, 1000), (second, 1000)):
+        inflight.add(instances[position].http_address, work)
+    choice = policy.choose(Candidates(instances, inflight, CAPACITY, other), request, 0)
+    assert choice == instances[idle]
+
+
 def test_announced_load_does_not_move_a_prefix() -> None:
     policy = PrefixAffinity(1.0)
     instances = tuple(p(i) for i in range(4))
-    key = keyed(987654321)
+    key = req(987654321)
     home = policy.choose(cands(instances), key, 0)
     swamped = tuple(
         p(i, Load(running=100, waiting=100, kv_usage=1.0)) if inst == home else inst
@@ -836,7 +938,7 @@ def test_announced_load_does_not_move_a_prefix() -> None:
 def test_home_busy_with_the_proxys_own_prompts_is_passed_over() -> None:
     policy = PrefixAffinity(1.25)
     instances = tuple(p(i) for i in range(4))
-    key = keyed(987654321)  # 100 prompt tokens
+    key = req(987654321)  # 100 prompt tokens
     home = policy.choose(cands(instances), key, 0)
     inflight = InFlight()
     inflight.add(home.http_address, 5000)
@@ -872,12 +974,14 @@ def test_single_candidate_always_wins() -> None:
     inflight.add(only.http_address, 10**6)
     candidates = cands((only,), inflight)
     policy = PrefixAffinity(1.0)
-    assert {policy.choose(candidates, keyed(k), 0) for k in keys(20)} == {only}
+    assert {policy.choose(candidates, req(k), 0) for k in keys(20)} == {only}
     assert policy.choose(candidates, NO_PREFIX, 0) == only
 
 
 @pytest.mark.parametrize("seed", range(6))
 def test_prefix_affinity_matches_the_design_over_random_histories(seed: int) -> None:
+    # The policy with the planner's bookkeeping: each chosen prefill's work (the prompt less
+    # what it probably holds) stays in flight, and it holds the prompt's windows from then on.
     rng = random.Random(seed)
     n = rng.randint(2, 12)
     load_factor = rng.choice((1.0, 1.1, 1.25, 2.0))
@@ -887,19 +991,31 @@ def test_prefix_affinity_matches_the_design_over_random_histories(seed: int) -> 
         for i in range(n)
     )
     inflight = InFlight()
-    candidates = cands(instances, inflight)
+    cache = PrefixCache()
+    candidates = Candidates(instances, inflight, CAPACITY, cache)
+    held: Held = {}
     prefixes: list[int | None] = [None, 0, (1 << 64) - 1, *keys(5, seed=seed)]
     legs: list[tuple[Instance, int]] = []
+    discounted = 0
     for ticket in range(400):
         if legs and rng.random() < 0.4:
-            instance, tokens = legs.pop(rng.randrange(len(legs)))
-            inflight.remove(instance.http_address, tokens)
-        tokens = rng.choice((0, 1, 64, 900, 6000))
-        request = RequestFeatures("m", tokens, tokens, rng.choice(prefixes))
+            instance, work = legs.pop(rng.randrange(len(legs)))
+            inflight.remove(instance.http_address, work)
+        tokens = rng.choice((0, 1, 64, 300, 900, 6000))
+        lead = rng.choice(prefixes)
+        windows = () if lead is None else chain(tokens, lead, rng.choice((None, 256, 512)), ticket)
+        request = RequestFeatures("m", tokens, tokens, windows)
         choice = policy.choose(candidates, request, ticket)
-        assert instances.index(choice) == expected_choice(instances, inflight, request, load_factor)
-        inflight.add(choice.http_address, tokens)
-        legs.append((choice, tokens))
+        expected = expected_choice(instances, inflight, request, load_factor, held)
+        assert instances.index(choice) == expected
+        cached = held_tokens(held, windows, choice.http_address)
+        assert cache.cached_tokens(windows, choice.http_address) == cached
+        discounted += cached > 0
+        cache.record(windows, choice.http_address)
+        hold(held, windows, choice.http_address)
+        inflight.add(choice.http_address, tokens - cached)
+        legs.append((choice, tokens - cached))
+    assert discounted > 100  # the cache did take part
 
 
 def test_rings_are_reused_for_the_same_membership_and_bounded() -> None:
@@ -907,13 +1023,13 @@ def test_rings_are_reused_for_the_same_membership_and_bounded() -> None:
     members = tuple(p(i) for i in range(5))
     # A load-only snapshot change: same addresses, new instances, new candidate sets.
     reloaded = tuple(p(i, Load(running=i)) for i in range(5))
-    policy.choose(cands(members), keyed(1), 0)
+    policy.choose(cands(members), req(1), 0)
     (ring,) = policy._rings.values()
-    policy.choose(cands(reloaded), keyed(1), 0)
+    policy.choose(cands(reloaded), req(1), 0)
     assert list(policy._rings.values()) == [ring]
     assert next(iter(policy._rings.values())) is ring  # reused, not rebuilt
     for extra in range(10):
-        policy.choose(cands((*members, p(10 + extra))), keyed(1), 0)
+        policy.choose(cands((*members, p(10 + extra))), req(1), 0)
     assert len(policy._rings) <= 4
     ks = keys(500)
     assert owners(policy, members, ks) == owners(PrefixAffinity(), members, ks)
@@ -925,11 +1041,21 @@ def test_prefix_affinity_through_the_planner_keeps_conversations_home() -> None:
     snapshot = Snapshot(1, prefills, decodes)
     planner = Planner(make_policy("prefix_affinity"), make_policy("least_kv"))
     homes: dict[int, set[Instance]] = {}
-    for _ in range(5):
+    cuts: dict[int, set[int]] = {}  # per conversation: the window sizes its home was sent
+    for turn in range(5):
         for key in keys(40):
-            result = planner.plan(snapshot, keyed(key))
+            # A conversation's prompt grows by 300 tokens a turn; earlier turns are its lead.
+            tokens = 300 * (turn + 1)
+            windows = chain(tokens, key)
+            result = planner.plan(snapshot, RequestFeatures("m", tokens, tokens + 100, windows))
             assert isinstance(result, Pair)
             homes.setdefault(key, set()).add(result.prefill)
+            # Prefill work: the prompt less the longest window the home was sent before.
+            sent = cuts.setdefault(key, set())
+            cached = max((w.tokens for w in windows if w.tokens in sent), default=0)
+            assert result.prefill_tokens == tokens - cached
+            assert cached == (0, 256, 512, 512, 1024)[turn]
+            sent.update(w.tokens for w in windows)
             # Each request finishes before the next: loads stay balanced.
             planner.release(result.prefill.http_address, result.prefill_tokens)
             planner.release(result.decode.http_address, result.decode_tokens)
@@ -938,17 +1064,40 @@ def test_prefix_affinity_through_the_planner_keeps_conversations_home() -> None:
     assert planner.inflight.total_requests() == 0
 
 
-def test_prefix_affinity_through_the_planner_balances_prompt_tokens() -> None:
+def test_prefix_affinity_through_the_planner_balances_prefill_work() -> None:
+    # One hot system prompt (256 tokens) under 300-token prompts that differ after it, every
+    # leg kept in flight. Work, not prompt tokens, is what is balanced now: a prefill that was
+    # sent the system prompt before counts only the other 44 tokens of each prompt.
     prefills = tuple(p(i) for i in range(4))
     snapshot = Snapshot(1, prefills, (d(1),))
     planner = Planner(PrefixAffinity(1.25), LeastKv())
-    for _ in range(200):  # one hot prefix, every leg kept in flight
-        result = planner.plan(snapshot, RequestFeatures("m", 300, 400, HOT))
+    held: Held = {}
+    works: list[int] = []
+    for ticket in range(200):
+        request = RequestFeatures("m", 300, 400, chain(300, HOT, 256, ticket))
+        before = prompt_loads(prefills, planner.inflight)
+        expected = expected_choice(prefills, planner.inflight, request, 1.25, held)
+        result = planner.plan(snapshot, request)
         assert isinstance(result, Pair)
-    loads = [planner.inflight.get(i.http_address).tokens for i in prefills]
-    assert sum(loads) == 200 * 300
-    # Each leg was placed within max(1.25 x the mean, least + 300) as it was then; loads only
-    # grew since, so the final loads are within the final bound.
-    assert max(loads) <= max(1.25 * sum(loads) / 4, min(loads) + 300)
-    assert max(loads) > min(loads) + 300  # and the hot prefix's home does keep more
+        assert result.prefill == prefills[expected]
+        address = result.prefill.http_address
+        work = 300 - held_tokens(held, request.prefix_windows, address)
+        assert result.prefill_tokens == work
+        assert work == (44 if address in held.get(HOT, ()) else 300)
+        hold(held, request.prefix_windows, address)
+        works.append(work)
+        after = prompt_loads(prefills, planner.inflight)
+        assert after == [load + (work if i == expected else 0) for i, load in enumerate(before)]
+        # Each leg is placed within max(1.25 x the mean, least + 300) as it was then. (The
+        # final loads need no longer be within the final bound, as they were when work was the
+        # whole prompt: the cap counts the whole prompt in the total, the leg adds only its
+        # work. This history ends at [3116, 3116, 476, 3116], above 1.25 x the mean, 3070.)
+        assert after[expected] <= max(1.25 * (sum(before) + 300) / 4, min(before) + 300)
+    loads = prompt_loads(prefills, planner.inflight)
+    assert sum(loads) == sum(works) < 200 * 300
+    # The home pays the whole prompt once and 44 tokens for each one after; the prefix
+    # spills to its ring neighbours (each paying the whole prompt once) only when the home
+    # is full, and the home holds as much as any.
+    assert works.count(300) == len(held[HOT]) >= 2
     assert loads[walk(prefills, HOT)[0]] == max(loads)
+    assert max(loads) > min(loads) + 300

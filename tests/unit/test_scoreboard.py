@@ -304,7 +304,7 @@ def test_announced_kv(load: Load | None, expected: float) -> None:
 
 
 @pytest.mark.parametrize(
-    ("busy", "requests", "kv_1000", "kv_10000", "prompt_tokens"),
+    ("busy", "requests", "kv_1000", "kv_10000", "prefill_work"),
     [
         (Busy(0, 0), 0.0, 0.0, 0.0, 0.0),
         (Busy(3, 0), 3.0, 0.0, 0.0, 0.0),
@@ -314,13 +314,13 @@ def test_announced_kv(load: Load | None, expected: float) -> None:
     ],
 )
 def test_own_parts(
-    busy: Busy, requests: float, kv_1000: float, kv_10000: float, prompt_tokens: float
+    busy: Busy, requests: float, kv_1000: float, kv_10000: float, prefill_work: float
 ) -> None:
     assert own_requests(busy) == requests
     assert scoring(LoadKind.REQUESTS, CAPACITY).own(busy) == requests
     assert scoring(LoadKind.KV, 1000).own(busy) == pytest.approx(kv_1000)
     assert scoring(LoadKind.KV, 10_000).own(busy) == pytest.approx(kv_10000)
-    assert scoring(LoadKind.PROMPT_TOKENS, CAPACITY).own(busy) == prompt_tokens
+    assert scoring(LoadKind.PREFILL_WORK, CAPACITY).own(busy) == prefill_work
 
 
 @pytest.mark.parametrize(
@@ -332,15 +332,15 @@ def test_own_parts(
         Load(running=1, waiting=2, kv_usage=1.0),
     ],
 )
-def test_prompt_tokens_never_count_announced_load(load: Load | None) -> None:
-    assert scoring(LoadKind.PROMPT_TOKENS, CAPACITY).announced(inst(1, load)) == 0.0
-    assert scoring(LoadKind.PROMPT_TOKENS, 1).announced(inst(1, load)) == 0.0
+def test_prefill_work_never_counts_announced_load(load: Load | None) -> None:
+    assert scoring(LoadKind.PREFILL_WORK, CAPACITY).announced(inst(1, load)) == 0.0
+    assert scoring(LoadKind.PREFILL_WORK, 1).announced(inst(1, load)) == 0.0
 
 
 def test_scoring_returns_a_scoring_per_kind() -> None:
     for kind in LoadKind:
         assert isinstance(scoring(kind, CAPACITY), Scoring)
-    assert {kind.value for kind in LoadKind} == {"requests", "kv", "prompt_tokens"}
+    assert {kind.value for kind in LoadKind} == {"requests", "kv", "prefill_work"}
 
 
 # ---------------------------------------------------------------------------------------------
@@ -440,7 +440,7 @@ def test_kv_others_are_the_usage_less_the_tokens_at_build() -> None:
     assert board.best() == 1
 
 
-def test_prompt_tokens_board_counts_only_the_proxys_prompt_tokens() -> None:
+def test_prefill_work_board_counts_only_the_proxys_prefill_work() -> None:
     inflight = InFlight()
     inflight.add(addr(2), 700)
     instances = (
@@ -448,7 +448,7 @@ def test_prompt_tokens_board_counts_only_the_proxys_prompt_tokens() -> None:
         inst(2),
         inst(3, Load(running=1)),
     )
-    board = board_of(instances, inflight, LoadKind.PROMPT_TOKENS)
+    board = board_of(instances, inflight, LoadKind.PREFILL_WORK)
     assert board.others == [0.0, 0.0, 0.0]
     assert board.values == [0.0, 700.0, 0.0]
     assert board.best() == 0  # announced load ignored
@@ -773,14 +773,14 @@ def test_boards_are_built_once_per_kind_and_listen_once() -> None:
     kv = candidates.board(LoadKind.KV)
     assert kv is not requests
     assert candidates.board(LoadKind.KV) is kv
-    prompt = candidates.board(LoadKind.PROMPT_TOKENS)
-    assert prompt is not requests and prompt is not kv
-    assert candidates.board(LoadKind.PROMPT_TOKENS) is prompt
+    work = candidates.board(LoadKind.PREFILL_WORK)
+    assert work is not requests and work is not kv
+    assert candidates.board(LoadKind.PREFILL_WORK) is work
     assert inflight.listener_count() == 3
     inflight.add(addr(2), 250)
     assert requests.values == [0.0, 1.0]
     assert kv.values == [0.0, 0.25]
-    assert prompt.values == [0.0, 250.0]
+    assert work.values == [0.0, 250.0]
 
 
 def test_kv_board_uses_the_candidates_capacity() -> None:

@@ -4,14 +4,15 @@ whose prefix cache then skips that part of the prefill.
 The prompt's leading block(s) hash onto a consistent-hash ring of the candidates, so adding or
 removing one of N instances moves only about 1/N of the prefixes. Bounded load (Mirrokni,
 Thorup and Zadimoghaddam, "Consistent Hashing with Bounded Loads", 2018), on prefill work (the
-prompt tokens of the proxy's legs in flight) rather than on request counts: an instance that
+prompt tokens of the proxy's legs in flight, less what each instance probably holds cached:
+see prefix_cache.py) rather than on request counts: an instance that
 would hold more than `load_factor` times the mean is passed over for the next one on the ring,
 so a hot prefix spills to a few neighbours instead of swamping one instance.
 
 Announced load is not used here: it counts requests, not work, and lags by a report period
-(benchmarks/bench_pairing.py measured p99 TTFT at 80% load about 0.55x round robin's with work from
-the proxy's own legs, 0.61x with announced requests added). Every proxy replica balancing its
-own share balances their sum: the ring is the same in every replica.
+(benchmarks/bench_pairing.py, before prefix_cache.py: p99 TTFT at 80% load 0.56x round robin's
+with work from the proxy's own legs, 0.61x with announced requests added). Every proxy replica
+balancing its own share balances their sum: the ring is the same in every replica.
 """
 
 from __future__ import annotations
@@ -74,21 +75,26 @@ class PrefixAffinity:
         self._rings: OrderedDict[tuple[Address, ...], Ring] = OrderedDict()
 
     def choose(self, candidates: Candidates, request: RequestFeatures, ticket: int) -> Instance:
-        board = candidates.board(LoadKind.PROMPT_TOKENS)
+        board = candidates.board(LoadKind.PREFILL_WORK)
         least = board.best()
         if request.prefix_key is None or len(candidates) == 1:
             return candidates.instances[least]
         ring = candidates.derived(self.name, self._ring_for)
-        # Load is prefill work: prompt tokens in flight. An instance may take the request if
-        # it then holds at most load_factor x the mean, or no more than the least loaded one
-        # would (so an idle fleet always honours the prefix, whatever the prompt's size).
-        work = max(1, request.prompt_tokens)
+        # Load is prefill work in flight. An instance may take the request if it then holds at
+        # most load_factor x the mean, or no more than the least loaded one would (so an evenly
+        # loaded fleet always honours the prefix, whatever the prompt's size). Its work for
+        # this request is the part of the prompt it probably does not hold already.
+        full = max(1, request.prompt_tokens)
         values = board.values
-        cap = max(self._load_factor * (board.total + work) / len(candidates), values[least] + work)
+        cap = max(self._load_factor * (board.total + full) / len(candidates), values[least] + full)
+        cache = candidates.prefix_cache
+        windows = request.prefix_windows
         owners = ring.owners
         start = bisect.bisect_left(ring.points, request.prefix_key)
         for step in range(min(len(owners), MAX_WALK)):
             owner = owners[(start + step) % len(owners)]
+            address = candidates.instances[owner].http_address
+            work = max(1, full - cache.cached_tokens(windows, address))
             if values[owner] + work <= cap:
                 return candidates.instances[owner]
         # Every neighbour is busy: the prefix spills to the least loaded instance.

@@ -1,0 +1,73 @@
+"""Tracing of one request and its legs: W3C trace context always, OpenTelemetry spans when
+asked for (`--otel-exporter`, the `otel` extra).
+
+Without OpenTelemetry each leg still gets a `traceparent` of its own under the client's trace,
+so vLLM's spans (vLLM reads the header) join the client's trace and the access log names it.
+"""
+
+from __future__ import annotations
+
+import contextlib
+from collections.abc import Callable, Iterator
+from typing import Literal, Protocol
+
+from pdproxy.proxy.trace_context import TraceContext
+
+OtelExporter = Literal["none", "otlp", "console"]
+
+
+class RequestTrace(Protocol):
+    trace_id: str
+
+    def leg(self, role: str, instance: str) -> contextlib.AbstractContextManager[dict[str, str]]:
+        """Around one leg; yields the trace headers that leg sends."""
+        ...
+
+
+class Tracing(Protocol):
+    def request(
+        self, context: TraceContext, endpoint: str
+    ) -> contextlib.AbstractContextManager[RequestTrace]: ...
+
+    def shutdown(self) -> None: ...
+
+
+class _W3cRequest:
+    def __init__(self, context: TraceContext, new_span_id: Callable[[], str]) -> None:
+        self.trace_id = context.trace_id
+        self._context = context
+        self._new_span_id = new_span_id
+
+    @contextlib.contextmanager
+    def leg(self, role: str, instance: str) -> Iterator[dict[str, str]]:
+        yield self._context.child(self._new_span_id())
+
+
+class W3cTracing:
+    """Trace context propagation only: nothing is recorded or exported."""
+
+    def __init__(self, new_span_id: Callable[[], str]) -> None:
+        self._new_span_id = new_span_id
+
+    @contextlib.contextmanager
+    def request(self, context: TraceContext, endpoint: str) -> Iterator[RequestTrace]:
+        yield _W3cRequest(context, self._new_span_id)
+
+    def shutdown(self) -> None:
+        pass
+
+
+class TracingUnavailable(RuntimeError):
+    """--otel-exporter was set but OpenTelemetry is not installed."""
+
+
+def build_tracing(exporter: OtelExporter, new_span_id: Callable[[], str]) -> Tracing:
+    if exporter == "none":
+        return W3cTracing(new_span_id)
+    try:
+        from pdproxy.proxy.otel import OtelTracing
+    except ImportError as exc:
+        raise TracingUnavailable(
+            f"--otel-exporter {exporter} needs OpenTelemetry: pip install 'pdproxy[otel]' ({exc})"
+        ) from None
+    return OtelTracing(exporter)
