@@ -144,6 +144,10 @@ class RegistryTable:
             return Change.REGISTERED, incoming
         if key in self._static:
             incoming = self._merge_static(entry.instance, incoming)
+        elif self._v0_echo(entry.instance, incoming):
+            # Stock vLLM's v0 ping for an instance its sidecar announces in v1: a heartbeat.
+            # Taking it as the whole truth would drop model, geometry and load every 3 s.
+            incoming = entry.instance
         if incoming == entry.instance:
             self._entries[key] = replace(entry, last_seen=now)
             return Change.REFRESHED, entry.instance
@@ -153,6 +157,14 @@ class RegistryTable:
             return Change.LOAD, incoming
         self._changed()
         return Change.UPDATED, incoming
+
+    @staticmethod
+    def _v0_echo(known: Instance, incoming: Instance) -> bool:
+        return (
+            known.source is Source.V1
+            and incoming.source is Source.V0
+            and (incoming.role, incoming.zmq_address) == (known.role, known.zmq_address)
+        )
 
     @staticmethod
     def _merge_static(static: Instance, incoming: Instance) -> Instance:

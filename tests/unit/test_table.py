@@ -170,9 +170,8 @@ def test_refresh_of_v0() -> None:
         v1(1, model=None),
         v1(1, role=Role.DECODE),
         v1(1, zmq_address=Address("10.0.0.1", 21002)),
-        v0(1),
     ],
-    ids=["load", "model", "no model", "role", "zmq address", "v1 -> v0"],
+    ids=["load", "model", "no model", "role", "zmq address"],
 )
 def test_update_yields_a_new_snapshot_version(changed: Announcement) -> None:
     t = table()
@@ -358,6 +357,39 @@ def test_add_static_over_a_dynamic_instance() -> None:
     assert len(t) == 1
     assert t.expire(now=1e9) == []
     assert t.snapshot().prefills == (static(1),)
+
+
+def test_a_v0_ping_for_a_v1_instance_is_a_heartbeat() -> None:
+    # Stock vLLM pings v0 every 3 s while its sidecar announces v1 for the same server: the ping
+    # must not erase the model, geometry and load the sidecar announced.
+    t = table()
+    _, announced = t.announce(v1(1, load=Load(running=2)), now=100.0)
+    before = t.snapshot()
+    change, instance = t.announce(v0(1), now=103.0)
+    assert change is Change.REFRESHED
+    assert instance == announced and instance.source is Source.V1 and instance.model == "m"
+    assert t.entries() == [Entry(announced, first_seen=100.0, last_seen=103.0)]
+    assert t.snapshot() is before
+
+
+@pytest.mark.parametrize(
+    "moved",
+    [v0(1, Role.DECODE), Announcement(0, Role.PREFILL, http(1), Address("10.0.0.1", 21002))],
+    ids=["other role", "other zmq address"],
+)
+def test_a_v0_ping_that_disagrees_with_v1_replaces_it(moved: Announcement) -> None:
+    t = table()
+    t.announce(v1(1), now=100.0)
+    change, instance = t.announce(moved, now=101.0)
+    assert change is Change.UPDATED
+    assert instance == instance_from(moved) and instance.source is Source.V0
+
+
+def test_v1_after_v0_takes_over() -> None:
+    t = table()
+    t.announce(v0(1), now=100.0)
+    change, instance = t.announce(v1(1), now=101.0)
+    assert change is Change.UPDATED and instance.source is Source.V1
 
 
 @pytest.mark.parametrize(

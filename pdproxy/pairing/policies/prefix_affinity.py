@@ -93,10 +93,14 @@ class PrefixAffinity:
         start = bisect.bisect_left(ring.points, request.prefix_key)
         for step in range(min(len(owners), MAX_WALK)):
             owner = owners[(start + step) % len(owners)]
-            address = candidates.instances[owner].http_address
-            work = max(1, full - cache.cached_tokens(windows, address))
-            if values[owner] + work <= cap:
-                return candidates.instances[owner]
+            load = values[owner]
+            if load + 1 > cap:
+                continue  # full whatever it holds: no need to ask the cache
+            if load + full > cap:
+                address = candidates.instances[owner].http_address
+                if load + max(1, full - cache.cached_tokens(windows, address)) > cap:
+                    continue
+            return candidates.instances[owner]
         # Every neighbour is busy: the prefix spills to the least loaded instance.
         return candidates.instances[least]
 
