@@ -462,7 +462,7 @@ def test_power_of_two_keeps_inflight_legs_even() -> None:
 
 # The design, restated independently of the module: each instance owns 64 ring points, the
 # 8-byte little-endian words of shake_128(str(address)); a key (the request's first prefix
-# window's) walks the ring clockwise from bisect_left(points, key) for at most 32 points and
+# window's) walks the ring clockwise from bisect_left(points, key) for at most 8 points and
 # takes the first owner whose prefill work in flight plus its work for this request would stay
 # within
 #     cap = max(load_factor * (total + full) / n, least + full),   full = max(1, prompt_tokens);
@@ -521,7 +521,7 @@ def expected_choice(
         return least
     full = max(1, request.prompt_tokens)
     cap = max(load_factor * (sum(loads) + full) / len(loads), loads[least] + full)
-    for owner in walk(instances, request.prefix_key)[:32]:
+    for owner in walk(instances, request.prefix_key)[:8]:
         address = instances[owner].http_address
         cached = held_tokens(held, request.prefix_windows, address) if held else 0
         if loads[owner] + full - cached <= cap:
@@ -829,24 +829,24 @@ def find_key(
 
 
 def test_the_walk_visits_up_to_max_walk_points() -> None:
-    assert MAX_WALK == 32
+    assert MAX_WALK == 8
     n = 40
     instances = tuple(p(i) for i in range(n))
 
     def fits(walked: list[int]) -> bool:
-        # The 32nd point's owner is new, and not the lowest idle position.
-        first = set(walked[:31])
+        # The 8th point's owner is new, and not the lowest idle position.
+        first = set(walked[:7])
         idle = [i for i in range(n) if i not in first]
-        return walked[31] not in first and idle[0] != walked[31]
+        return walked[7] not in first and idle[0] != walked[7]
 
     key, walked = find_key(instances, fits)
-    busy = set(walked[:31])
+    busy = set(walked[:7])
     inflight = InFlight()
     for position in busy:
         inflight.add(instances[position].http_address, 10_000)
     candidates = cands(instances, inflight)
     request = RequestFeatures("m", 100, 0, keyed(100, key))
-    assert PrefixAffinity(1.25).choose(candidates, request, 0) == instances[walked[31]]
+    assert PrefixAffinity(1.25).choose(candidates, request, 0) == instances[walked[7]]
 
 
 def test_after_max_walk_busy_points_the_prefix_spills_to_the_least_loaded() -> None:
@@ -854,13 +854,13 @@ def test_after_max_walk_busy_points_the_prefix_spills_to_the_least_loaded() -> N
     instances = tuple(p(i) for i in range(n))
 
     def fits(walked: list[int]) -> bool:
-        # The 33rd point's owner is new and would fit, but is not the least loaded.
-        first = set(walked[:32])
+        # The 9th point's owner is new and would fit, but is not the least loaded.
+        first = set(walked[:8])
         idle = [i for i in range(n) if i not in first]
-        return walked[32] not in first and idle[0] != walked[32]
+        return walked[8] not in first and idle[0] != walked[8]
 
     key, walked = find_key(instances, fits)
-    busy = set(walked[:32])
+    busy = set(walked[:8])
     inflight = InFlight()
     for position in busy:
         inflight.add(instances[position].http_address, 10_000)
@@ -868,23 +868,29 @@ def test_after_max_walk_busy_points_the_prefix_spills_to_the_least_loaded() -> N
     idle = [i for i in range(n) if i not in busy]
     for position in idle:
         inflight.add(instances[position].http_address, 50)
-    least = idle[-1] if idle[-1] != walked[32] else idle[-2]
+    least = idle[-1] if idle[-1] != walked[8] else idle[-2]
     inflight.remove(instances[least].http_address, 50)
     candidates = cands(instances, inflight)
     request = RequestFeatures("m", 100, 0, keyed(100, key))
     assert PrefixAffinity(1.25).choose(candidates, request, 0) == instances[least]
-    # With the 33rd point's owner the least loaded, the answer is the same instance by
-    # either route: the walk stops at 32 points, it does not skip to the least loaded early.
+    # With the 9th point's owner the least loaded, the answer is the same instance by
+    # either route: the walk stops at 8 points, it does not skip to the least loaded early.
     assert expected_choice(instances, inflight, request, 1.25) == least
 
 
 def test_a_busy_homes_neighbour_holding_the_prefix_takes_it_before_one_that_does_not() -> None:
-    # 4 instances, load factor 1.25, a 1,000-token prompt of the hot lead (windows 256, 512,
+    # 4 instances, load factor 1.25, a 1,000-token prompt of a hot lead (windows 256, 512,
     # 1,000). Prefill work in flight: the home 2,500, its next two ring neighbours 1,000 each,
     # the last one idle. cap = max(1.25 x (4,500 + 1,000) / 4, 0 + 1,000) = 1,718.75.
     instances = tuple(p(i) for i in range(4))
-    home, first, second, idle = distinct(walk(instances, HOT))
-    request = RequestFeatures("m", 1000, 1100, chain(1000, HOT))
+
+    def reachable(walked: list[int]) -> bool:
+        # The walk's first MAX_WALK points reach three distinct instances, not the fourth.
+        return len(set(walked[:MAX_WALK])) == 3
+
+    hot, walked = find_key(instances, reachable)
+    home, first, second, idle = distinct(walked)
+    request = RequestFeatures("m", 1000, 1100, chain(1000, hot))
     assert [w.tokens for w in request.prefix_windows] == [256, 512, 1000]
     policy = PrefixAffinity(1.25)
 
@@ -896,8 +902,8 @@ def test_a_busy_homes_neighbour_holding_the_prefix_takes_it_before_one_that_does
         cache = PrefixCache()
         held: Held = {}
         for position, tokens in holders.items():
-            cache.record(chain(tokens, HOT), instances[position].http_address)
-            hold(held, chain(tokens, HOT), instances[position].http_address)
+            cache.record(chain(tokens, hot), instances[position].http_address)
+            hold(held, chain(tokens, hot), instances[position].http_address)
         choice = policy.choose(Candidates(instances, inflight, CAPACITY, cache), request, 0)
         assert instances.index(choice) == expected_choice(instances, inflight, request, 1.25, held)
         return choice
@@ -915,7 +921,7 @@ def test_a_busy_homes_neighbour_holding_the_prefix_takes_it_before_one_that_does
     assert choose({first: 600, second: 600}) == instances[first]
     # Holding a different lead is no help (the keys differ from the first window on).
     other = PrefixCache()
-    other.record(chain(600, HOT ^ 1), instances[second].http_address)
+    other.record(chain(600, hot ^ 1), instances[second].http_address)
     inflight = InFlight()
     for position, work in ((home, 2500), (first, 1000), (second, 1000)):
         inflight.add(instances[position].http_address, work)

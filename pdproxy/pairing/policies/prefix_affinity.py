@@ -36,7 +36,7 @@ from pdproxy.registry.table import Instance
 VIRTUAL_NODES = 64
 _RINGS_KEPT = 4  # memberships remembered: load-only snapshot changes reuse the ring
 # Ring points visited before giving up on the prefix's neighbourhood: bounds the decision.
-MAX_WALK = 32
+MAX_WALK = 8
 
 
 @dataclass(frozen=True, slots=True)
