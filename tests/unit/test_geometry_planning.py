@@ -43,64 +43,14 @@ from pdproxy.pairing.policies import make_policy
 from pdproxy.pairing.policies.round_robin import RoundRobin
 from pdproxy.pairing.scoreboard import LoadKind
 from pdproxy.registry.messages import Connector, Geometry, Role
-from pdproxy.registry.table import Instance, Snapshot, Source
+from pdproxy.registry.table import Instance, Snapshot
+from tests.pairing_builders import NIXL, P2P, PDPROXY, dec, geo, pre
 
 # Deterministic and load-tolerant: same examples every run, no deadline, no example database.
 PROFILE = settings(derandomize=True, database=None, deadline=None)
 
-P2P, NIXL, PDPROXY = Connector.P2P_NCCL, Connector.NIXL, Connector.PDPROXY
 PREFILL_POLICIES = ("round_robin", "least_loaded", "power_of_two", "prefix_affinity")
 DECODE_POLICIES = ("round_robin", "least_loaded", "power_of_two", "least_kv")
-
-
-def geo(
-    tp: int = 2,
-    *,
-    block: int = 16,
-    heads: int = 8,
-    layers: int = 32,
-    dim: int = 128,
-    dtype: str = "bfloat16",
-    layout: str = "HND",
-) -> Geometry:
-    return Geometry(tp, block, layers, heads, dim, dtype, False, layout)
-
-
-def pre(
-    n: int,
-    geometry: Geometry | None = None,
-    connector: Connector | None = P2P,
-    model: str | None = "m",
-    zmq_port: int = 21001,
-) -> Instance:
-    v0 = geometry is None and connector is None and model is None
-    return Instance(
-        Role.PREFILL,
-        Address(f"10.0.0.{n}", 8100),
-        Address(f"10.0.0.{n}", zmq_port),
-        Source.V0 if v0 else Source.V1,
-        model=model,
-        connector=connector,
-        geometry=geometry,
-    )
-
-
-def dec(
-    n: int,
-    geometry: Geometry | None = None,
-    connector: Connector | None = P2P,
-    model: str | None = "m",
-) -> Instance:
-    v0 = geometry is None and connector is None and model is None
-    return Instance(
-        Role.DECODE,
-        Address(f"10.0.1.{n}", 8200),
-        Address(f"10.0.1.{n}", 22001),
-        Source.V0 if v0 else Source.V1,
-        model=model,
-        connector=connector,
-        geometry=geometry,
-    )
 
 
 def v0_pre(n: int) -> Instance:

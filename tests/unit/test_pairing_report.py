@@ -8,7 +8,6 @@ from typing import Any
 
 import pytest
 
-from pdproxy.ids import Address
 from pdproxy.pairing.consistency import contradiction
 from pdproxy.pairing.geometry import Incompatible, Mismatch, Unverified, plan_pair, side_of
 from pdproxy.pairing.inflight import InFlight
@@ -21,59 +20,9 @@ from pdproxy.pairing.report import (
     traits,
     verdict_fields,
 )
-from pdproxy.registry.messages import Connector, Geometry, Role
-from pdproxy.registry.table import Instance, Snapshot, Source
-
-P2P, NIXL, PDPROXY = Connector.P2P_NCCL, Connector.NIXL, Connector.PDPROXY
-
-
-def geo(
-    tp: int = 2,
-    *,
-    block: int = 16,
-    heads: int = 8,
-    layers: int = 32,
-    dim: int = 128,
-    dtype: str = "bfloat16",
-    layout: str | None = "HND",
-    mla: bool = False,
-) -> Geometry:
-    return Geometry(tp, block, layers, heads, dim, dtype, mla, layout)
-
-
-def pre(
-    n: int,
-    geometry: Geometry | None = None,
-    connector: Connector | None = P2P,
-    model: str | None = "m",
-    zmq_port: int = 21001,
-) -> Instance:
-    return Instance(
-        Role.PREFILL,
-        Address(f"10.0.0.{n}", 8100),
-        Address(f"10.0.0.{n}", zmq_port),
-        Source.V1,
-        model=model,
-        connector=connector,
-        geometry=geometry,
-    )
-
-
-def dec(
-    n: int,
-    geometry: Geometry | None = None,
-    connector: Connector | None = P2P,
-    model: str | None = "m",
-) -> Instance:
-    return Instance(
-        Role.DECODE,
-        Address(f"10.0.1.{n}", 8200),
-        Address(f"10.0.1.{n}", 22001),
-        Source.V1,
-        model=model,
-        connector=connector,
-        geometry=geometry,
-    )
+from pdproxy.registry.messages import Geometry, Role
+from pdproxy.registry.table import Instance, Snapshot
+from tests.pairing_builders import NIXL, P2P, PDPROXY, dec, geo, pre
 
 
 def orphans(prefills: tuple[Instance, ...], decodes: tuple[Instance, ...]) -> list[str]:
