@@ -35,13 +35,16 @@ from dataclasses import dataclass, replace
 from pathlib import Path
 from typing import Any
 
-from fleet_sim import FleetSim, FleetSpec, RunResult, percentile
+from fleet_sim import FleetSim, FleetSpec, RunResult
+from loadgen import percentile
 from workload import Workload, WorkloadSpec, build_workload
 
+from pdproxy.config import Settings
 from pdproxy.ids import Address
 from pdproxy.pairing.features import RequestFeatures
-from pdproxy.pairing.planner import Pair, Planner, class_key, round_robin_planner
+from pdproxy.pairing.planner import Pair, Planner, class_key
 from pdproxy.pairing.policies import make_policy
+from pdproxy.proxy.app import planner_from
 from pdproxy.registry.messages import Connector, Geometry, Load, Role
 from pdproxy.registry.table import Instance, Snapshot, Source
 
@@ -73,14 +76,16 @@ class PolicyPair:
         return text
 
     def planner(self, kv_capacity_tokens: int) -> Planner:
-        """The planner the proxy would build from this configuration (app.planner_from)."""
-        if (self.prefill, self.decode) == REFERENCE:
-            return round_robin_planner()  # vLLM's example proxy
-        return Planner(
-            make_policy(self.prefill, load_factor=self.load_factor),
-            make_policy(self.decode),
-            kv_capacity_tokens=kv_capacity_tokens,
+        """The planner the proxy builds from this configuration."""
+        settings = Settings.model_validate(
+            {
+                "prefill_policy": self.prefill,
+                "decode_policy": self.decode,
+                "prefix_affinity_load_factor": self.load_factor,
+                "decode_kv_capacity_tokens": kv_capacity_tokens,
+            }
         )
+        return planner_from(settings)
 
 
 def parse_policies(text: str, load_factor: float) -> list[PolicyPair]:

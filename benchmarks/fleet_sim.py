@@ -42,7 +42,7 @@ from dataclasses import dataclass, field
 from workload import Request
 
 from pdproxy.ids import Address
-from pdproxy.pairing.geometry import PairPlan
+from pdproxy.pairing.geometry import PairPlan, plan_pair, side_of
 from pdproxy.pairing.planner import NoPair, Pair, Planner
 from pdproxy.registry.messages import Announcement, Connector, Geometry, Load, Role
 from pdproxy.registry.table import RegistryTable
@@ -354,9 +354,10 @@ class FleetSim:
             self._start_prefill(worker)
 
     def _transfer_s(self, pair: Pair, request: Request) -> float:
-        if not isinstance(pair.plan, PairPlan):
+        plan = plan_pair(side_of(pair.prefill), side_of(pair.decode))
+        if not isinstance(plan, PairPlan):
             return 0.0
-        size = pair.plan.bytes_per_request(request.prompt_tokens, whole_blocks=True)
+        size = plan.bytes_per_request(request.prompt_tokens, whole_blocks=True)
         return 0.0 if size is None else size / self.spec.kv_bytes_per_s
 
     def _kv_ready(self, job: Job) -> None:
@@ -409,11 +410,3 @@ class FleetSim:
             self.planner.release(job.pair.decode.http_address, job.pair.decode_tokens)
         self._admit(worker)
         self._start_step(worker)
-
-
-def percentile(sorted_values: list[float], q: float) -> float:
-    """Nearest-rank percentile of an ascending list (0 for an empty list)."""
-    if not sorted_values:
-        return 0.0
-    rank = max(1, math.ceil(q * len(sorted_values)))
-    return sorted_values[min(rank, len(sorted_values)) - 1]

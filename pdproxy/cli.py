@@ -3,13 +3,13 @@
 from __future__ import annotations
 
 import argparse
-import importlib.util
 import sys
 from collections.abc import Sequence
 
 from pdproxy import __version__
 from pdproxy.config import ConfigError, Settings, add_settings_arguments, load_settings
 from pdproxy.logs import configure_logging
+from pdproxy.proxy.tracing import TracingUnavailable, check_available
 
 
 def serve(settings: Settings) -> int:
@@ -50,12 +50,10 @@ def _run_serve(args: argparse.Namespace) -> int:
     except ConfigError as exc:
         print(f"pdproxy serve: {exc}", file=sys.stderr)
         return 2
-    if settings.otel_exporter != "none" and importlib.util.find_spec("opentelemetry") is None:
-        print(
-            f"pdproxy serve: --otel-exporter {settings.otel_exporter} needs OpenTelemetry: "
-            "pip install 'pdproxy[otel]'",
-            file=sys.stderr,
-        )
+    try:
+        check_available(settings.otel_exporter)
+    except TracingUnavailable as exc:
+        print(f"pdproxy serve: {exc}", file=sys.stderr)
         return 2
     return serve(settings)
 

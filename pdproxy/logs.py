@@ -1,10 +1,18 @@
-"""Process logging: human-readable lines, or one JSON object per line for log pipelines."""
+"""Process logging: human-readable lines, or one JSON object per line for log pipelines.
+
+Records go through a bounded queue to a writer thread, so the event loop never waits on a slow
+log pipe; past the bound, records are dropped and counted rather than stalling requests.
+"""
 
 from __future__ import annotations
 
+import atexit
+import copy
 import logging
+import queue
 import sys
 import time
+from logging.handlers import QueueHandler, QueueListener
 from typing import Any, Literal
 
 import orjson
@@ -30,6 +38,8 @@ class JsonFormatter(logging.Formatter):
             line.update(fields)
         if record.exc_info:
             line["exception"] = self.formatException(record.exc_info)
+        elif record.exc_text:
+            line["exception"] = record.exc_text
         return orjson.dumps(line, default=str).decode()
 
 
@@ -38,12 +48,45 @@ def _iso(created: float) -> str:
     return f"{seconds}.{int(created % 1 * 1000):03d}Z"
 
 
-def configure_logging(level: str, log_format: LogFormat) -> None:
+MAX_QUEUED_RECORDS = 10_000
+
+
+class DroppingQueueHandler(QueueHandler):
+    """Hands records to the writer thread; never blocks, drops (and counts) when full."""
+
+    def __init__(self, records: queue.Queue[logging.LogRecord]) -> None:
+        super().__init__(records)
+        self.dropped = 0
+
+    def prepare(self, record: logging.LogRecord) -> logging.LogRecord:
+        # Resolve everything that must be read now (arguments, the live exception), keep the
+        # rest (extra fields) for the writer thread's formatter.
+        prepared = copy.copy(record)
+        prepared.msg = record.getMessage()
+        prepared.args = None
+        if record.exc_info:
+            prepared.exc_text = logging.Formatter().formatException(record.exc_info)
+            prepared.exc_info = None
+        return prepared
+
+    def enqueue(self, record: logging.LogRecord) -> None:
+        try:
+            self.queue.put_nowait(record)
+        except queue.Full:
+            self.dropped += 1
+
+
+def configure_logging(level: str, log_format: LogFormat) -> DroppingQueueHandler:
     """Set up the root logger. uvicorn's own loggers propagate to it (start it with
     log_config=None), so every line has the same format."""
-    handler = logging.StreamHandler(sys.stderr)
+    writer = logging.StreamHandler(sys.stderr)
     formatter = JsonFormatter() if log_format == "json" else logging.Formatter(TEXT_FORMAT)
-    handler.setFormatter(formatter)
+    writer.setFormatter(formatter)
+    records: queue.Queue[logging.LogRecord] = queue.Queue(MAX_QUEUED_RECORDS)
+    handler = DroppingQueueHandler(records)
+    listener = QueueListener(records, writer)
+    listener.start()
+    atexit.register(_stop, listener, handler)
     root = logging.getLogger()
     root.handlers[:] = [handler]
     root.setLevel(level.upper())
@@ -51,3 +94,12 @@ def configure_logging(level: str, log_format: LogFormat) -> None:
         logger = logging.getLogger(name)
         logger.handlers[:] = []
         logger.propagate = True
+    return handler
+
+
+def _stop(listener: QueueListener, handler: DroppingQueueHandler) -> None:
+    listener.stop()  # writes what is still queued
+    if handler.dropped:
+        print(
+            f"pdproxy: {handler.dropped} log records dropped (log output too slow)", file=sys.stderr
+        )

@@ -21,9 +21,8 @@ def contradiction(instance: Instance, others: Iterable[Instance]) -> str | None:
         return None
     for other in others:
         theirs = other.geometry
-        if other is instance or other.model != instance.model or theirs is None:
-            continue
-        if other.http_address == instance.http_address:
+        same = other.http_address == instance.http_address
+        if same or other.model != instance.model or theirs is None:
             continue
         differences = [
             f"{field} {getattr(mine, field)} vs {getattr(theirs, field)}"

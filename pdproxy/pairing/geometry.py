@@ -54,7 +54,7 @@ announcements come from stock P2pNcclEngine.
 from __future__ import annotations
 
 from collections.abc import Mapping
-from dataclasses import dataclass, replace
+from dataclasses import dataclass
 from enum import StrEnum
 from types import MappingProxyType
 
@@ -296,6 +296,9 @@ class Side:
     connector: Connector | None
     geometry: KvGeometry | None
     kv_port: int  # port of the zmq_address: TP rank 0's KV endpoint
+    # The announced TP size, even when the rest of the geometry is unknown: it alone says
+    # which KV ports (kv_port .. kv_port + tp - 1) the instance uses.
+    tp_size: int | None = None
 
     def __post_init__(self) -> None:
         if not 1 <= self.kv_port <= MAX_PORT:
@@ -308,6 +311,7 @@ def side_of(instance: Instance) -> Side:
         connector=instance.connector,
         geometry=from_announced(instance.geometry),
         kv_port=instance.zmq_address.port,
+        tp_size=None if instance.geometry is None else instance.geometry.tp_size,
     )
 
 
@@ -328,6 +332,10 @@ def plan_pair(prefill: Side, decode: Side, *, allow_unknown_geometry: bool = Fal
 
     p, d = prefill.geometry, decode.geometry
     if p is None or d is None:
+        if p is None and prefill.tp_size is not None:
+            ports = _check_port_range(prefill.kv_port, prefill.tp_size)
+            if ports is not None:
+                return ports
         if p is None and d is None:
             return Unverified("geometry unknown on both sides")
         unknown = "prefill" if p is None else "decode"
@@ -350,17 +358,6 @@ def plan_pair(prefill: Side, decode: Side, *, allow_unknown_geometry: bool = Fal
         block_size_ratio=d.block_size // p.block_size,
         reads=tuple(_reads(p, d, rank, prefill.kv_port) for rank in range(d.tp_size)),
     )
-
-
-def rebased(plan: PairPlan, from_port: int, to_port: int) -> PairPlan:
-    """The same plan for a prefill of the same class whose KV ports start at `to_port`."""
-    if from_port == to_port:
-        return plan
-    shift = to_port - from_port
-    reads = tuple(
-        tuple(replace(read, port=read.port + shift) for read in rank) for rank in plan.reads
-    )
-    return replace(plan, reads=reads)
 
 
 def tp_ratio(prefill_tp: int, decode_tp: int) -> int:
@@ -456,7 +453,11 @@ def _check_heterogeneous(p: KvGeometry, d: KvGeometry, name: str) -> Incompatibl
 
 
 def _check_ports(kv_port: int, p: KvGeometry) -> Incompatible | None:
-    last = kv_port + p.tp_size - 1
+    return _check_port_range(kv_port, p.tp_size)
+
+
+def _check_port_range(kv_port: int, tp_size: int) -> Incompatible | None:
+    last = kv_port + tp_size - 1
     if last > MAX_PORT:
         return Incompatible(
             Mismatch.INVALID_GEOMETRY,

@@ -21,12 +21,8 @@ from pdproxy.pairing.features import RequestFeatures
 from pdproxy.pairing.geometry import (
     MAX_PORT,
     Incompatible,
-    Mismatch,
-    PairPlan,
-    Unverified,
     Verdict,
     plan_pair,
-    rebased,
     side_of,
 )
 from pdproxy.pairing.inflight import InFlight
@@ -61,13 +57,15 @@ class Unpaired(StrEnum):
 class Pair:
     prefill: Instance
     decode: Instance
-    plan: PairPlan | Unverified
     prefill_tokens: int = 0  # prefill work counted in flight until released
     decode_tokens: int = 0
 
     @property
     def connector(self) -> Connector | None:
-        return self.prefill.connector or self.decode.connector
+        """The connector both instances announced; None if either did not say (then the pair
+        is treated as stock P2pNcclConnector: no kv_transfer_params are sent)."""
+        prefill = self.prefill.connector
+        return prefill if prefill == self.decode.connector else None
 
 
 @dataclass(frozen=True, slots=True)
@@ -106,7 +104,6 @@ class FleetView:
 
     prefills: Candidates | None
     decodes_by_class: dict[ClassKey, Candidates]
-    verdicts: dict[tuple[ClassKey, ClassKey], Verdict]
     direct: Candidates | None  # decodes that may compute a prompt themselves
     unpaired: Unpaired | None  # why nothing can serve the model (prefills is None)
     orphans: tuple[str, ...] = ()  # for INCOMPATIBLE: why each prefill class pairs with none
@@ -158,16 +155,6 @@ class FleetIndex:
 
     def verdict(self, p_key: ClassKey, d_key: ClassKey) -> Verdict:
         verdict = self._verdicts.get((p_key, d_key))
-        if verdict is None and not p_key[3]:
-            # Checked here too: plan_pair sees ports only when both geometries are complete.
-            prefill = self.prefill_classes[p_key][0]
-            tp = prefill.geometry.tp_size if prefill.geometry else None
-            verdict = Incompatible(
-                Mismatch.INVALID_GEOMETRY,
-                f"prefill KV ports {prefill.zmq_address.port}.."
-                f"{prefill.zmq_address.port + (tp or 1) - 1} (one per tp rank) pass {MAX_PORT}",
-            )
-            self._verdicts[(p_key, d_key)] = verdict
         if verdict is None:
             verdict = plan_pair(
                 side_of(self.prefill_classes[p_key][0]),
@@ -198,16 +185,13 @@ class FleetIndex:
         )
         direct = self.candidates(direct_members) if direct_members else None
         prefills: list[Instance] = []
-        verdicts: dict[tuple[ClassKey, ClassKey], Verdict] = {}
         decodes_by_class: dict[ClassKey, Candidates] = {}
         shared: dict[tuple[ClassKey, ...], Candidates] = {}
         for p_key in p_keys:
             matched = []
             for d_key in d_keys:
-                verdict = self.verdict(p_key, d_key)
-                if not isinstance(verdict, Incompatible):
+                if not isinstance(self.verdict(p_key, d_key), Incompatible):
                     matched.append(d_key)
-                    verdicts[(p_key, d_key)] = verdict
             if not matched:
                 continue
             prefills.extend(self.prefill_classes[p_key])
@@ -219,14 +203,12 @@ class FleetIndex:
                 shared[signature] = self.candidates(members)
             decodes_by_class[p_key] = shared[signature]
         if prefills:
-            return FleetView(
-                self.candidates(tuple(prefills)), decodes_by_class, verdicts, direct, None
-            )
+            return FleetView(self.candidates(tuple(prefills)), decodes_by_class, direct, None)
         unpaired = self._unpaired(p_keys, d_keys)
         orphans: tuple[str, ...] = ()
         if unpaired is Unpaired.INCOMPATIBLE:
             orphans = tuple(self.orphan(p_key, d_keys) for p_key in p_keys)
-        return FleetView(None, {}, {}, direct, unpaired, orphans)
+        return FleetView(None, {}, direct, unpaired, orphans)
 
     def _unpaired(self, p_keys: list[ClassKey], d_keys: list[ClassKey]) -> Unpaired:
         if not p_keys and not d_keys:
@@ -284,7 +266,7 @@ class Planner:
         prefill_policy: Policy,
         decode_policy: Policy,
         *,
-        spread_pairs: bool = False,
+        spread_pairs: bool | None = None,
         allow_unknown_geometry: bool = False,
         kv_capacity_tokens: int = DEFAULT_KV_CAPACITY_TOKENS,
     ) -> None:
@@ -294,7 +276,11 @@ class Planner:
         self.decode_policy = decode_policy
         self.inflight = InFlight()
         self.prefix_cache = PrefixCache()
-        self._spread_pairs = spread_pairs
+        # Only two round-robin cursors can fall into lockstep: spread them unless told.
+        both_round_robin = isinstance(prefill_policy, RoundRobin) and isinstance(
+            decode_policy, RoundRobin
+        )
+        self._spread_pairs = both_round_robin if spread_pairs is None else spread_pairs
         self._allow_unknown_geometry = allow_unknown_geometry
         self._kv_capacity_tokens = kv_capacity_tokens
         self._prefill_ticket = 0
@@ -326,13 +312,6 @@ class Planner:
             ticket += ticket // math.lcm(len(view.prefills), len(decodes))
         decode = self.decode_policy.choose(decodes, request, ticket)
         self._decode_ticket += 1
-        p_key = class_key(prefill)
-        verdict = view.verdicts[(p_key, class_key(decode))]
-        assert not isinstance(verdict, Incompatible)
-        if isinstance(verdict, PairPlan):
-            # Verdicts are per class, computed with its first member's KV port.
-            first = self.index(snapshot).prefill_classes[p_key][0]
-            verdict = rebased(verdict, first.zmq_address.port, prefill.zmq_address.port)
         # Prefill work: the part of the prompt the instance probably does not hold already;
         # at least one token, which vLLM computes even for a fully cached prompt.
         windows, address = request.prefix_windows, prefill.http_address
@@ -340,7 +319,7 @@ class Planner:
         self.prefix_cache.record(windows, address)
         self.inflight.add(address, work)
         self.inflight.add(decode.http_address, request.decode_tokens)
-        return Pair(prefill, decode, verdict, work, request.decode_tokens)
+        return Pair(prefill, decode, work, request.decode_tokens)
 
     def plan_direct(self, snapshot: Snapshot, request: RequestFeatures) -> Direct | None:
         """A decode instance able to compute the prompt itself, or None."""
@@ -358,7 +337,7 @@ class Planner:
 
 def round_robin_planner() -> Planner:
     """The reference pairing: round robin per role, spread over every (P, D) pair."""
-    return Planner(RoundRobin(), RoundRobin(), spread_pairs=True)
+    return Planner(RoundRobin(), RoundRobin())
 
 
 @dataclass(frozen=True, slots=True)

@@ -61,18 +61,17 @@ def static_instances(settings: Settings) -> list[Instance]:
 
 
 def planner_from(settings: Settings) -> Planner:
-    both_round_robin = settings.prefill_policy == settings.decode_policy == "round_robin"
     return Planner(
         make_policy(settings.prefill_policy, load_factor=settings.prefix_affinity_load_factor),
         make_policy(settings.decode_policy),
-        # Only two round-robin cursors can fall into lockstep (see Planner).
-        spread_pairs=both_round_robin,
         allow_unknown_geometry=settings.allow_unknown_geometry,
         kv_capacity_tokens=settings.decode_kv_capacity_tokens,
     )
 
 
 async def build_state(settings: Settings, clock: Callable[[], float]) -> AppState:
+    # First: it is the one part that may fail to build, and nothing is bound yet.
+    tracing = build_tracing(settings.otel_exporter, lambda: os.urandom(8).hex())
     metrics = Metrics()
     table = RegistryTable(settings.ttl, settings.max_instances)
     for instance in static_instances(settings):
@@ -84,7 +83,6 @@ async def build_state(settings: Settings, clock: Callable[[], float]) -> AppStat
     upstream = Upstream(settings)
     await upstream.start()
     planner = planner_from(settings)
-    tracing = build_tracing(settings.otel_exporter, lambda: os.urandom(8).hex())
     dispatcher = Dispatcher(settings, table, planner, upstream, metrics, tracing, clock)
     return AppState(
         settings, metrics, table, registry, upstream, planner, dispatcher, tracing, clock

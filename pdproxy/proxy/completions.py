@@ -81,7 +81,7 @@ class CompletionsEndpoint:
             elapsed = time.perf_counter() - started
             self._requests.labels(self._path, _STATUS_TEXT.get(status) or str(status)).inc()
             self._duration.observe(elapsed)
-            if self._access_log:
+            if self._access_log and access.isEnabledFor(logging.INFO):
                 self._log_access(exchange, status, elapsed, client_id)
             elif log.isEnabledFor(logging.DEBUG):
                 log.debug(
@@ -159,7 +159,11 @@ def _read_headers(raw: list[tuple[bytes, bytes]]) -> ClientHeaders:
         elif name == b"content-length" and value.isdigit():
             length = int(value)
         elif name == b"traceparent":
-            traceparent = value[:_MAX_TRACE_HEADER].decode("latin-1")
+            # Several traceparent headers make the context invalid (W3C): a new trace.
+            text = value[:_MAX_TRACE_HEADER].decode("latin-1")
+            traceparent = text if traceparent is None else ""
         elif name == b"tracestate":
-            tracestate = value[:_MAX_TRACE_HEADER].decode("latin-1")
+            # Several tracestate headers are one list (W3C): joined, still bounded below.
+            text = value[:_MAX_TRACE_HEADER].decode("latin-1")
+            tracestate = text if tracestate is None else f"{tracestate},{text}"
     return ClientHeaders(client_id, authorization, length, traceparent, tracestate)

@@ -21,14 +21,14 @@ from pdproxy.metrics import DECODE, PREFILL, Metrics
 from pdproxy.pairing.features import RequestFeatures
 from pdproxy.pairing.planner import Direct, NoPair, Pair, Planner
 from pdproxy.proxy.errors import ProxyError
-from pdproxy.proxy.exchange import ClientHeaders, Exchange
+from pdproxy.proxy.exchange import ClientHeaders, Exchange, RequestNotes
 from pdproxy.proxy.kv_params import PARAMS_FIELD, params_from_answer, prefill_params, uses_params
 from pdproxy.proxy.prompt import request_features
 from pdproxy.proxy.request import CompletionRequest
 from pdproxy.proxy.trace_context import trace_context
 from pdproxy.proxy.tracing import RequestTrace, Tracing
 from pdproxy.proxy.upstream import Reply, Upstream, UpstreamError
-from pdproxy.registry.table import Instance, RegistryTable
+from pdproxy.registry.table import Instance, RegistryTable, Snapshot
 
 _ERROR_SNIPPET = 300
 
@@ -62,16 +62,17 @@ class Dispatcher:
         self._clock = clock
         self._new_uid = new_uid
         self._retry_after = ((b"retry-after", str(settings.retry_after_seconds).encode()),)
+        # Prefix windows are hashed only for the policy that reads them.
+        uses_prefixes = settings.prefill_policy == "prefix_affinity"
+        self._prefix_tokens = settings.prefix_affinity_tokens if uses_prefixes else 0
         key = settings.upstream_api_key
         self._upstream_auth = None if key is None else f"Bearer {key.get_secret_value()}"
 
     def features(self, request: CompletionRequest) -> RequestFeatures:
-        return request_features(
-            request.payload, request.model, request.chat, self._settings.prefix_affinity_tokens
-        )
+        return request_features(request.payload, request.model, request.chat, self._prefix_tokens)
 
-    def choose(self, features: RequestFeatures) -> Pair:
-        choice = self._planner.plan(self._table.snapshot(self._clock()), features)
+    def choose(self, snapshot: Snapshot, features: RequestFeatures) -> Pair:
+        choice = self._planner.plan(snapshot, features)
         if isinstance(choice, NoPair):
             self._metrics.unpaired.labels(choice.kind.value).inc()
             raise ProxyError(503, choice.reason, code="no_instance", headers=self._retry_after)
@@ -101,13 +102,14 @@ class Dispatcher:
         trace: RequestTrace,
     ) -> None:
         features = self.features(request)
+        snapshot = self._table.snapshot(self._clock())
         if features.prompt_tokens < self._settings.disagg_min_tokens:
-            direct = self._planner.plan_direct(self._table.snapshot(self._clock()), features)
+            direct = self._planner.plan_direct(snapshot, features)
             if direct is not None:
                 await self._serve_direct(direct, request, exchange, authorization, trace)
                 return
         notes = exchange.notes
-        pair = self.choose(features)
+        pair = self.choose(snapshot, features)
         notes.prefill, notes.decode = pair.prefill.name, pair.decode.name
         release = self._planner.release
         prefill_held = True
@@ -118,10 +120,10 @@ class Dispatcher:
             exchange.request_id = request_id
             headers = self.leg_headers(request_id, authorization)
             with_params = uses_params(pair.connector)
-            started = time.perf_counter()
             with trace.leg(PREFILL, pair.prefill.name) as span:
-                answer = await self._prefill(pair.prefill, request, headers | span, with_params)
-            notes.prefill_seconds = time.perf_counter() - started
+                answer = await self._prefill(
+                    pair.prefill, request, headers | span, with_params, notes
+                )
             release(pair.prefill.http_address, pair.prefill_tokens)
             prefill_held = False
             if answer.status >= 400:
@@ -175,6 +177,7 @@ class Dispatcher:
         request: CompletionRequest,
         headers: dict[str, str],
         with_params: bool,
+        notes: RequestNotes,
     ) -> Reply:
         """The prefill answer: 2xx, or a 4xx to relay; anything else raises."""
         settings = self._settings
@@ -189,7 +192,8 @@ class Dispatcher:
                     headers,
                     settings.max_response_bytes,
                 )
-        self._metrics.prefill_duration.observe(time.perf_counter() - started)
+        notes.prefill_seconds = time.perf_counter() - started
+        self._metrics.prefill_duration.observe(notes.prefill_seconds)
         if 200 <= reply.status < 300 or 400 <= reply.status < 500:
             return reply
         raise self._leg_failed(
@@ -231,18 +235,12 @@ class Dispatcher:
                         )
                     if not request.stream:
                         body = await stream.read_all(settings.max_response_bytes)
-                        exchange.notes.decode_first_byte_seconds = time.perf_counter() - started
-                        self._metrics.decode_first_byte.observe(
-                            exchange.notes.decode_first_byte_seconds
-                        )
+                        self._first_byte(exchange, started)
                         deadline.reschedule(None)
                         await exchange.whole(stream.status, stream.content_type.encode(), body)
                         return
                     chunk = await stream.next_chunk()
-                    exchange.notes.decode_first_byte_seconds = time.perf_counter() - started
-                    self._metrics.decode_first_byte.observe(
-                        exchange.notes.decode_first_byte_seconds
-                    )
+                    self._first_byte(exchange, started)
                     deadline.reschedule(None)
                     await exchange.start_stream(stream.status, stream.content_type.encode())
                     wait.what, wait.limit = "next chunk", settings.stream_idle_timeout
@@ -254,6 +252,10 @@ class Dispatcher:
                         chunk = await stream.next_chunk()
                         deadline.reschedule(None)
                     await exchange.end_stream()
+
+    def _first_byte(self, exchange: Exchange, started: float) -> None:
+        exchange.notes.decode_first_byte_seconds = time.perf_counter() - started
+        self._metrics.decode_first_byte.observe(exchange.notes.decode_first_byte_seconds)
 
     @contextlib.contextmanager
     def _leg(self, role: str, instance: Instance, what: str, limit: float) -> Iterator[Wait]:

@@ -42,6 +42,8 @@ def trace_context(
     if match is None or match[1] == _ZERO_TRACE or match[2] == _ZERO_SPAN:
         return TraceContext(new_trace_id, None, _SAMPLED)
     state = tracestate.strip() if tracestate else None
-    if state is not None and (len(state) > MAX_TRACESTATE or not state.isprintable()):
+    if state is not None and (
+        len(state) > MAX_TRACESTATE or not (state.isascii() and state.isprintable())
+    ):
         state = None
     return TraceContext(match[1], match[2], match[3], state)

@@ -8,6 +8,7 @@ so vLLM's spans (vLLM reads the header) join the client's trace and the access l
 from __future__ import annotations
 
 import contextlib
+import importlib
 from collections.abc import Callable, Iterator
 from typing import Literal, Protocol
 
@@ -61,13 +62,27 @@ class TracingUnavailable(RuntimeError):
     """--otel-exporter was set but OpenTelemetry is not installed."""
 
 
+def check_available(exporter: OtelExporter) -> None:
+    """Raise TracingUnavailable unless everything `exporter` needs imports."""
+    if exporter == "none":
+        return
+    modules = ["pdproxy.proxy.otel"]
+    if exporter == "otlp":
+        modules.append("opentelemetry.exporter.otlp.proto.http.trace_exporter")
+    for module in modules:
+        try:
+            importlib.import_module(module)
+        except ImportError as exc:
+            raise TracingUnavailable(
+                f"--otel-exporter {exporter} needs OpenTelemetry: pip install 'pdproxy[otel]' "
+                f"({exc})"
+            ) from None
+
+
 def build_tracing(exporter: OtelExporter, new_span_id: Callable[[], str]) -> Tracing:
+    check_available(exporter)
     if exporter == "none":
         return W3cTracing(new_span_id)
-    try:
-        from pdproxy.proxy.otel import OtelTracing
-    except ImportError as exc:
-        raise TracingUnavailable(
-            f"--otel-exporter {exporter} needs OpenTelemetry: pip install 'pdproxy[otel]' ({exc})"
-        ) from None
+    from pdproxy.proxy.otel import OtelTracing
+
     return OtelTracing(exporter)

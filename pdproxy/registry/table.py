@@ -62,6 +62,7 @@ class Entry:
     instance: Instance
     first_seen: float
     last_seen: float
+    v1_seen: float | None = None  # the last v1 announcement (v0 pings only refresh it)
 
 
 @dataclass(frozen=True, slots=True)
@@ -135,34 +136,41 @@ class RegistryTable:
         """Register or refresh an instance. Raises Rejected when the table is full."""
         key = announcement.http_address
         incoming = instance_from(announcement)
+        v1_seen = now if announcement.version == 1 else None
         entry = self._entries.get(key)
         if entry is None:
             if len(self._entries) >= self._max:
                 raise Rejected(Reason.CAPACITY, f"registry is full ({self._max} instances)")
-            self._put(Entry(incoming, now, now))
+            self._put(Entry(incoming, now, now, v1_seen))
             self._changed()
             return Change.REGISTERED, incoming
         if key in self._static:
             incoming = self._merge_static(entry.instance, incoming)
-        elif self._v0_echo(entry.instance, incoming):
+        elif self._v0_echo(entry, incoming, now):
             # Stock vLLM's v0 ping for an instance its sidecar announces in v1: a heartbeat.
             # Taking it as the whole truth would drop model, geometry and load every 3 s.
             incoming = entry.instance
+        if v1_seen is None:
+            v1_seen = entry.v1_seen
         if incoming == entry.instance:
-            self._entries[key] = replace(entry, last_seen=now)
+            self._entries[key] = replace(entry, last_seen=now, v1_seen=v1_seen)
             return Change.REFRESHED, entry.instance
-        self._put(Entry(incoming, entry.first_seen, now))
+        self._put(Entry(incoming, entry.first_seen, now, v1_seen))
         if replace(incoming, load=entry.instance.load) == entry.instance:
             self._load_stale = True
             return Change.LOAD, incoming
         self._changed()
         return Change.UPDATED, incoming
 
-    @staticmethod
-    def _v0_echo(known: Instance, incoming: Instance) -> bool:
+    def _v0_echo(self, entry: Entry, incoming: Instance, now: float) -> bool:
+        """A v0 ping agreeing with a v1 announcement that is itself still alive (a sidecar
+        that died without `leave` must not keep its last load and health forever)."""
+        known = entry.instance
         return (
             known.source is Source.V1
             and incoming.source is Source.V0
+            and entry.v1_seen is not None
+            and now - entry.v1_seen <= self._ttl
             and (incoming.role, incoming.zmq_address) == (known.role, known.zmq_address)
         )
 

@@ -9,7 +9,7 @@ from typing import Any
 
 from pdproxy.ids import parse_request_id
 from pdproxy.testing.fleet import LocalFleet, WorkerSpec
-from pdproxy.testing.processes import http_get, http_json
+from pdproxy.testing.processes import http_get, http_json, wait_until
 from tests.conftest import FleetFactory
 from tests.integration.support import metric_value, post_json, set_behaviour
 
@@ -281,8 +281,10 @@ def test_a_registration_contradicting_its_models_geometry_is_logged(
             WorkerSpec("D", extra_args=geometry("p2p_nccl", 1, "--num-layers", "40")),
         ]
     )
-    log = (fleet.log_dir / "pdproxy.log").read_text()
-    assert "contradicts" in log
+    log_file = fleet.log_dir / "pdproxy.log"
+    # Log lines are written by a thread of their own: wait for the line, boundedly.
+    wait_until(lambda: "contradicts" in log_file.read_text(), 10, "the contradiction log line")
+    log = log_file.read_text()
     assert "num_layers 40 vs 32" in log or "num_layers 32 vs 40" in log
     # And such a pair is never formed.
     answer = post_json(

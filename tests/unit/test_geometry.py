@@ -697,7 +697,7 @@ def test_side_of_instance() -> None:
         connector=Connector.NIXL,
         geometry=FULL,
     )
-    assert side_of(instance) == Side("m", Connector.NIXL, from_announced(FULL), 21001)
+    assert side_of(instance) == Side("m", Connector.NIXL, from_announced(FULL), 21001, FULL.tp_size)
     v0 = Instance(Role.DECODE, Address("h", 8200), Address("h", 22001), Source.V0)
     assert side_of(v0) == Side(None, None, None, 22001)
     assert isinstance(plan_pair(side_of(v0), side_of(v0)), Unverified)

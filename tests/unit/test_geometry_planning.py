@@ -22,11 +22,13 @@ from pdproxy.pairing.geometry import (
     Incompatible,
     PairPlan,
     Unverified,
+    Verdict,
     from_announced,
     plan_pair,
     side_of,
 )
 from pdproxy.pairing.inflight import InFlight
+from pdproxy.pairing.listing import pairs_report
 from pdproxy.pairing.planner import (
     LOCAL_COMPUTE,
     Direct,
@@ -72,6 +74,11 @@ def rq(key: int | None = None, model: str = "m") -> RequestFeatures:
 
 def rr() -> Planner:
     return Planner(RoundRobin(), RoundRobin())
+
+
+def plan_of(pair: Pair, *, allow: bool = False) -> Verdict:
+    """The geometry verdict of the pair the planner chose (pairs carry no plan themselves)."""
+    return plan_pair(side_of(pair.prefill), side_of(pair.decode), allow_unknown_geometry=allow)
 
 
 def plan_many(planner: Planner, snapshot: Snapshot, n: int, model: str = "m") -> list[Pair]:
@@ -122,10 +129,10 @@ def test_mixed_fleet_never_reaches_an_incompatible_pair(
         result = planner.plan(MIXED, rq(rng.getrandbits(64)))
         assert isinstance(result, Pair), result
         assert result.prefill != P_TP4
-        assert isinstance(result.plan, PairPlan)
-        assert result.plan.tp_ratio == 1
-        assert result.plan.connector is P2P
-        assert result.plan == plan_pair(side_of(result.prefill), side_of(result.decode))
+        plan = plan_of(result)
+        assert isinstance(plan, PairPlan)
+        assert plan.tp_ratio == 1
+        assert plan.connector is P2P
         used[(result.prefill, result.decode)] += 1
         held.append(result)
         if rng.random() < 0.6:  # some legs end, some stay in flight
@@ -171,7 +178,8 @@ def test_the_same_fleet_under_nixl_pairs_every_prefill() -> None:
     planner = rr()
     result = plan_many(planner, snapshot, 12)
     assert {r.prefill for r in result} == set(prefills)
-    ratios = {r.prefill.name: r.plan.tp_ratio for r in result if isinstance(r.plan, PairPlan)}
+    plans = {r.prefill.name: plan_of(r) for r in result}
+    ratios = {name: plan.tp_ratio for name, plan in plans.items() if isinstance(plan, PairPlan)}
     assert ratios == {"10.0.0.4:8100": 1, "10.0.0.5:8100": -2, "10.0.0.6:8100": 1}
     assert readiness(planner.index(snapshot)) == Readiness(True, "ok")
 
@@ -261,12 +269,10 @@ def test_random_fleets_plan_only_compatible_pairs_and_reach_every_pairable_prefi
         result = planner.plan(snapshot, rq(model=model))
         assert isinstance(result, Pair), result
         assert (result.prefill, result.decode) in possible
-        assert result.plan == plan_pair(
-            side_of(result.prefill), side_of(result.decode), allow_unknown_geometry=allow
-        )
+        assert not isinstance(plan_of(result, allow=allow), Incompatible)
         known = result.prefill.geometry, result.decode.geometry
         full = all(from_announced(g) is not None for g in known)
-        assert isinstance(result.plan, PairPlan if full else Unverified)
+        assert isinstance(plan_of(result, allow=allow), PairPlan if full else Unverified)
         seen.add(result.prefill)
     assert seen == {x for x, _ in possible}
 
@@ -573,9 +579,9 @@ def test_unknown_geometry_pairs_only_with_unknown_geometry() -> None:
     }
     for r in result:
         if r.prefill == prefills[0]:
-            assert r.plan == Unverified("geometry unknown on both sides")
+            assert plan_of(r) == Unverified("geometry unknown on both sides")
         else:
-            assert isinstance(r.plan, PairPlan)
+            assert isinstance(plan_of(r), PairPlan)
 
 
 def test_allow_unknown_geometry_pairs_across() -> None:
@@ -587,8 +593,10 @@ def test_allow_unknown_geometry_pairs_across() -> None:
     assert {(r.prefill, r.decode) for r in result} == {(x, y) for x in prefills for y in decodes}
     across = [r for r in result if (r.prefill.geometry is None) != (r.decode.geometry is None)]
     assert across
-    assert all(isinstance(r.plan, Unverified) for r in across)
-    assert {r.plan.detail for r in across if isinstance(r.plan, Unverified)} == {
+    assert all(isinstance(plan_of(r, allow=True), Unverified) for r in across)
+    assert {
+        verdict.detail for r in across if isinstance(verdict := plan_of(r, allow=True), Unverified)
+    } == {
         "prefill geometry unknown; allowed by allow_unknown_geometry",
         "decode geometry unknown; allowed by allow_unknown_geometry",
     }
@@ -615,7 +623,7 @@ def test_partial_geometry_counts_as_unknown() -> None:
     snapshot = Snapshot(1, (partial,), (v0_dec(1), dec(2, geo(2))))
     result = plan_many(rr(), snapshot, 4)
     assert {r.decode for r in result} == {v0_dec(1)}
-    assert all(isinstance(r.plan, Unverified) for r in result)
+    assert all(isinstance(plan_of(r), Unverified) for r in result)
 
 
 # ---------------------------------------------------------------------------------------------
@@ -646,14 +654,26 @@ def test_prefills_with_different_kv_ports_share_a_class() -> None:
     assert [r.prefill for r in result] == [a, b, a, b]
 
 
-def test_a_pairs_rank_reads_use_the_chosen_prefills_own_ports() -> None:
-    # Verdicts are computed once per class, with its first member's port; the plan handed to
-    # the dispatcher must still name the chosen prefill's own KV ports.
-    a, b = pre(1, geo(2), zmq_port=21001), pre(2, geo(2), zmq_port=30001)
-    snapshot = Snapshot(1, (a, b), (dec(1, geo(2)),))
-    for pair in plan_many(rr(), snapshot, 4):
-        assert isinstance(pair.plan, PairPlan)
-        base = pair.prefill.zmq_address.port
-        ports = [read.port for rank in pair.plan.reads for read in rank]
-        assert ports == [base, base + 1]
-        assert pair.plan == plan_pair(side_of(pair.prefill), side_of(pair.decode))
+def test_the_listing_agrees_with_the_planner_on_partial_geometry_ports() -> None:
+    # Only tp announced, KV ports 65534..65537: the planner and /v1/instances/pairs must both
+    # refuse the pair (the port rule holds whatever else of the geometry is unknown).
+    edge = pre(1, Geometry(tp_size=4), P2P, zmq_port=65534)
+    snapshot = Snapshot(1, (edge,), (v0_dec(1),))
+    planner = Planner(RoundRobin(), RoundRobin(), allow_unknown_geometry=True)
+    assert isinstance(planner.plan(snapshot, rq()), NoPair)
+    (entry,) = pairs_report(planner.index(snapshot))
+    assert entry["compatible"] == []
+    assert entry["incompatible"][0]["mismatch"] == "invalid_geometry"
+
+
+@pytest.mark.parametrize(
+    ("p_connector", "d_connector", "expected"),
+    [(NIXL, NIXL, NIXL), (P2P, P2P, P2P), (None, NIXL, None), (NIXL, None, None)],
+)
+def test_a_pair_uses_a_connectors_flow_only_if_both_announced_it(
+    p_connector: Connector | None, d_connector: Connector | None, expected: Connector | None
+) -> None:
+    # kv_transfer_params go only where both sides said nixl: a prefill that announced nothing
+    # (stock vLLM's v0) would answer without them.
+    pair = Pair(pre(1, None, p_connector), dec(1, None, d_connector))
+    assert pair.connector is expected

@@ -54,7 +54,8 @@ def snap(
 
 
 def planner() -> Planner:
-    return Planner(RoundRobin(), RoundRobin())
+    """Two plain round-robin cursors (the planner would spread them by default)."""
+    return Planner(RoundRobin(), RoundRobin(), spread_pairs=False)
 
 
 def rq(model: str) -> RequestFeatures:

@@ -29,6 +29,7 @@ from pdproxy.pairing.policies.least_kv import LeastKv
 from pdproxy.pairing.policies.least_loaded import LeastLoaded
 from pdproxy.pairing.policies.power_of_two import PowerOfTwo, mix64
 from pdproxy.pairing.policies.prefix_affinity import (
+    _RINGS_KEPT,
     MAX_WALK,
     VIRTUAL_NODES,
     PrefixAffinity,
@@ -1034,9 +1035,9 @@ def test_rings_are_reused_for_the_same_membership_and_bounded() -> None:
     policy.choose(cands(reloaded), req(1), 0)
     assert list(policy._rings.values()) == [ring]
     assert next(iter(policy._rings.values())) is ring  # reused, not rebuilt
-    for extra in range(10):
+    for extra in range(_RINGS_KEPT + 6):
         policy.choose(cands((*members, p(10 + extra))), req(1), 0)
-    assert len(policy._rings) <= 4
+    assert len(policy._rings) == _RINGS_KEPT
     ks = keys(500)
     assert owners(policy, members, ks) == owners(PrefixAffinity(), members, ks)
 

@@ -137,7 +137,7 @@ def test_register() -> None:
     assert change is Change.REGISTERED
     assert instance == Instance(Role.PREFILL, http(1), zmq(1), Source.V1, model="m")
     assert len(t) == 1
-    assert t.entries() == [Entry(instance, first_seen=100.0, last_seen=100.0)]
+    assert t.entries() == [Entry(instance, first_seen=100.0, last_seen=100.0, v1_seen=100.0)]
     snapshot = t.snapshot()
     assert snapshot == Snapshot(1, (instance,), ())
 
@@ -149,7 +149,7 @@ def test_refresh_only_moves_last_seen_and_keeps_the_snapshot_object() -> None:
     change, instance = t.announce(v1(1), now=103.0)
     assert change is Change.REFRESHED
     assert instance is registered
-    assert t.entries() == [Entry(registered, first_seen=100.0, last_seen=103.0)]
+    assert t.entries() == [Entry(registered, first_seen=100.0, last_seen=103.0, v1_seen=103.0)]
     assert t.snapshot() is before
     assert t.snapshot().version == 1
 
@@ -181,7 +181,7 @@ def test_update_yields_a_new_snapshot_version(changed: Announcement) -> None:
     only_load = changed.load is not None and changed.model == "m" and changed.version == 1
     assert change is (Change.LOAD if only_load else Change.UPDATED)
     assert instance == instance_from(changed)
-    assert t.entries() == [Entry(instance, first_seen=100.0, last_seen=104.0)]
+    assert t.entries() == [Entry(instance, first_seen=100.0, last_seen=104.0, v1_seen=104.0)]
     after = t.snapshot()
     assert after is not before
     assert after.version == before.version + 1
@@ -368,8 +368,21 @@ def test_a_v0_ping_for_a_v1_instance_is_a_heartbeat() -> None:
     change, instance = t.announce(v0(1), now=103.0)
     assert change is Change.REFRESHED
     assert instance == announced and instance.source is Source.V1 and instance.model == "m"
-    assert t.entries() == [Entry(announced, first_seen=100.0, last_seen=103.0)]
+    # last_seen moves, v1_seen does not: the v1 announcement itself is 3 s old.
+    assert t.entries() == [Entry(announced, first_seen=100.0, last_seen=103.0, v1_seen=100.0)]
     assert t.snapshot() is before
+
+
+def test_v0_pings_stop_echoing_once_the_v1_announcer_is_silent_for_a_ttl() -> None:
+    # A sidecar that died without `leave` must not keep its last load and health forever:
+    # once its v1 is older than the TTL, vLLM's own v0 ping is taken as the whole truth.
+    t = table()
+    t.announce(v1(1, load=Load(running=2)), now=100.0)
+    assert t.announce(v0(1), now=100.0 + TTL)[0] is Change.REFRESHED
+    change, instance = t.announce(v0(1), now=100.0 + TTL + 0.5)
+    assert change is Change.UPDATED
+    assert instance == instance_from(v0(1)) and instance.load is None
+    assert t.entries()[0].v1_seen == 100.0  # remembered, no longer echoed
 
 
 @pytest.mark.parametrize(

@@ -4,11 +4,12 @@ from __future__ import annotations
 
 import json
 import logging
+import queue
 import sys
 
 import pytest
 
-from pdproxy.logs import FIELDS, JsonFormatter
+from pdproxy.logs import FIELDS, DroppingQueueHandler, JsonFormatter
 from pdproxy.proxy.trace_context import MAX_TRACESTATE, trace_context
 
 NEW = "f" * 32
@@ -83,3 +84,32 @@ def test_json_lines_include_exceptions() -> None:
     assert line["message"] == "failed here"
     assert "ValueError: boom" in line["exception"]
     assert "\n" not in JsonFormatter().format(record)  # one line, whatever the traceback
+
+
+def test_a_non_ascii_tracestate_is_dropped() -> None:
+    assert trace_context(f"00-{TRACE}-{PARENT}-01", "a=é", NEW).tracestate is None
+
+
+def test_the_log_queue_never_blocks_and_counts_what_it_drops() -> None:
+    records: queue.Queue[logging.LogRecord] = queue.Queue(2)
+    handler = DroppingQueueHandler(records)
+    for n in range(5):
+        handler.handle(_record(f"line {n}"))
+    assert records.qsize() == 2 and handler.dropped == 3
+    assert [records.get_nowait().getMessage() for _ in range(2)] == ["line 0", "line 1"]
+
+
+def test_queued_records_keep_their_arguments_fields_and_exception() -> None:
+    records: queue.Queue[logging.LogRecord] = queue.Queue(4)
+    handler = DroppingQueueHandler(records)
+    try:
+        raise ValueError("boom")
+    except ValueError:
+        record = logging.LogRecord(
+            "x", logging.ERROR, __file__, 1, "failed %s", ("here",), sys.exc_info()
+        )
+    setattr(record, FIELDS, {"status": 500})
+    handler.handle(record)
+    line = json.loads(JsonFormatter().format(records.get_nowait()))
+    assert line["message"] == "failed here" and line["status"] == 500
+    assert "ValueError: boom" in line["exception"]

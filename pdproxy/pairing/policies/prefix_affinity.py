@@ -34,7 +34,7 @@ from pdproxy.registry.table import Instance
 # of 1/N. Rings are built once per membership (a ring of 1,000 instances: see
 # benchmarks/bench_pairing.py), on the first request after an instance joins or leaves.
 VIRTUAL_NODES = 64
-_RINGS_KEPT = 4  # memberships remembered: load-only snapshot changes reuse the ring
+_RINGS_KEPT = 16  # memberships remembered (one per prefill candidate set: model, geometry)
 # Ring points visited before giving up on the prefix's neighbourhood: bounds the decision.
 MAX_WALK = 8
 
