@@ -15,10 +15,19 @@ from pathlib import Path
 from typing import Any, Literal
 
 import yaml
-from pydantic import BaseModel, ConfigDict, Field, SecretStr, ValidationError, model_validator
+from pydantic import (
+    BaseModel,
+    ConfigDict,
+    Field,
+    SecretStr,
+    ValidationError,
+    field_validator,
+    model_validator,
+)
 
 from pdproxy.ids import Address, AddressError, parse_address
 from pdproxy.pairing.policies import DecodePolicyName, PrefillPolicyName
+from pdproxy.registry.auth import MIN_SECRET_BYTES, AuthConfigError, parse_cidrs
 
 ENV_PREFIX = "PDPROXY_"
 MiB = 1024 * 1024
@@ -94,6 +103,32 @@ class Settings(BaseModel):
     max_instances: int = Field(4096, ge=1, description="Cap on registered instances.")
     registry_max_message_bytes: int = Field(
         65536, ge=256, description="Registry frames larger than this are dropped by ZMQ."
+    )
+    registry_secret: SecretStr | None = Field(
+        None,
+        description="Shared secret (at least 16 characters) workers sign v1 registry messages "
+        "with (HMAC-SHA256); when set, unsigned or badly signed v1 messages are refused.",
+    )
+    registry_allow_unsigned_v0: bool = Field(
+        False,
+        description="With registry_secret set, still accept unsigned v0 announcements (stock "
+        "vLLM cannot sign); without a secret everything is accepted anyway.",
+    )
+    registry_v0_cidrs: list[str] = Field(
+        default_factory=list,
+        description="CIDR (repeatable, or comma-separated) the addresses of a v0 announcement "
+        "must fall in; none: any.",
+    )
+    registry_address_cidrs: list[str] = Field(
+        default_factory=list,
+        description="CIDR (repeatable, or comma-separated) every announced http and zmq "
+        "address must fall in (host names are then refused); none: any.",
+    )
+    registry_max_skew_seconds: float = Field(
+        30.0,
+        gt=0,
+        le=3600,
+        description="How far a signed message's timestamp may be from the proxy's clock.",
     )
     max_body_bytes: int = Field(
         32 * MiB, ge=1024, description="Largest request body accepted (413 above)."
@@ -187,6 +222,30 @@ class Settings(BaseModel):
         "line per completion request (ids, chosen pair, leg timings, outcome).",
     )
 
+    @field_validator("registry_v0_cidrs", "registry_address_cidrs", mode="before")
+    @classmethod
+    def _split_cidrs(cls, value: Any) -> Any:
+        if isinstance(value, str):
+            value = [value]
+        if not isinstance(value, list):
+            return value
+        return [part.strip() for item in value for part in str(item).split(",") if part.strip()]
+
+    @field_validator("registry_v0_cidrs", "registry_address_cidrs")
+    @classmethod
+    def _cidrs_valid(cls, value: list[str]) -> list[str]:
+        try:
+            return [str(network) for network in parse_cidrs(value)]
+        except AuthConfigError as exc:
+            raise ValueError(f"{exc} (expected e.g. 10.0.0.0/8 or fd00::/8)") from None
+
+    @field_validator("registry_secret")
+    @classmethod
+    def _secret_long_enough(cls, value: SecretStr | None) -> SecretStr | None:
+        if value is not None and len(value.get_secret_value().encode()) < MIN_SECRET_BYTES:
+            raise ValueError(f"must be at least {MIN_SECRET_BYTES} characters")
+        return value
+
     @model_validator(mode="after")
     def _connect_within_leg_timeouts(self) -> Settings:
         # Connecting (and waiting for a free upstream slot) happens inside every leg's bound;
@@ -210,8 +269,12 @@ def _flag(name: str) -> str:
     return "--" + name.replace("_", "-")
 
 
+_LIST_METAVARS = {"registry_v0_cidrs": "CIDR", "registry_address_cidrs": "CIDR"}
+_LIST_FIELDS = ("prefill", "decode", "registry_v0_cidrs", "registry_address_cidrs")
+
+
 def _is_list(name: str) -> bool:
-    return name in ("prefill", "decode")
+    return name in _LIST_FIELDS
 
 
 def add_settings_arguments(parser: argparse.ArgumentParser) -> None:
@@ -240,7 +303,7 @@ def add_settings_arguments(parser: argparse.ArgumentParser) -> None:
             dest=name,
             action="append" if _is_list(name) else "store",
             default=argparse.SUPPRESS,
-            metavar=name.upper() if not _is_list(name) else "SPEC",
+            metavar=name.upper() if not _is_list(name) else _LIST_METAVARS.get(name, "SPEC"),
             help=help_text.replace("%", "%%"),
         )
 

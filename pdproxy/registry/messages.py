@@ -45,6 +45,12 @@ class Reason(StrEnum):
     BAD_LOAD = "bad_load"
     CAPACITY = "capacity"
     STATIC_CONFLICT = "static_conflict"
+    # Authentication and admission (pdproxy.registry.auth).
+    UNSIGNED = "unsigned"
+    BAD_SIGNATURE = "bad_signature"
+    STALE = "stale"
+    REPLAYED = "replayed"
+    FORBIDDEN_ADDRESS = "forbidden_address"
 
 
 class Rejected(ValueError):
@@ -104,11 +110,15 @@ MAX_DTYPE_NAME = 32
 
 def decode_frame(frame: bytes) -> Message:
     """Decode one registry frame or raise Rejected."""
+    return parse_message(unpack_frame(frame))
+
+
+def unpack_frame(frame: bytes) -> object:
+    """The frame's msgpack value, not yet validated (the verifier needs it whole)."""
     try:
-        payload = msgpack.unpackb(frame, raw=False, strict_map_key=False)
+        return msgpack.unpackb(frame, raw=False, strict_map_key=False)
     except Exception as exc:  # msgpack raises many unrelated types on garbage
         raise Rejected(Reason.NOT_MSGPACK, type(exc).__name__) from None
-    return parse_message(payload)
 
 
 def parse_message(payload: object) -> Message:

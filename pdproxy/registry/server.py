@@ -17,7 +17,15 @@ import zmq.asyncio
 from pdproxy.config import Settings
 from pdproxy.metrics import Metrics
 from pdproxy.pairing.consistency import contradiction
-from pdproxy.registry.messages import Announcement, Reason, Rejected, Role, decode_frame
+from pdproxy.registry.auth import RegistryGate, Verifier, parse_cidrs
+from pdproxy.registry.messages import (
+    Announcement,
+    Reason,
+    Rejected,
+    Role,
+    parse_message,
+    unpack_frame,
+)
 from pdproxy.registry.table import Change, Instance, RegistryTable, Source
 
 log = logging.getLogger("pdproxy.registry")
@@ -78,11 +86,14 @@ class RegistryServer:
         table: RegistryTable,
         metrics: Metrics,
         clock: Callable[[], float] = time.monotonic,
+        wall_clock: Callable[[], float] = time.time,
     ) -> None:
         self._settings = settings
         self._table = table
         self._metrics = metrics
         self._clock = clock
+        self._wall_clock = wall_clock  # signed timestamps are wall-clock seconds
+        self._gate = gate_from_settings(settings)
         self._rejections = RejectionLog()
         self._context: zmq.asyncio.Context | None = None
         self._socket: zmq.asyncio.Socket | None = None
@@ -114,7 +125,10 @@ class RegistryServer:
             asyncio.create_task(self._sweep_loop(), name="registry-sweep"),
         ]
         log.info(
-            "registry listening on %s (ttl %.1fs)", self._settings.registry_bind, self._table.ttl
+            "registry listening on %s (ttl %.1fs, %s)",
+            self._settings.registry_bind,
+            self._table.ttl,
+            _auth_summary(self._settings),
         )
 
     async def stop(self) -> None:
@@ -150,7 +164,10 @@ class RegistryServer:
         try:
             if len(frames) != 2:
                 raise Rejected(Reason.FRAMING, "expected exactly one payload frame")
-            message = decode_frame(frames[1])
+            payload = unpack_frame(frames[1])
+            message = parse_message(payload)
+            assert isinstance(payload, dict)  # parse_message refuses anything else
+            self._gate.check(payload, message, self._wall_clock())
             now = self._clock()
             if isinstance(message, Announcement):
                 change, instance = self._table.announce(message, now)
@@ -236,6 +253,35 @@ async def _receive_message(sock: zmq.asyncio.Socket, plain: zmq.Socket[bytes]) -
                 await asyncio.sleep(0)
     # One empty frame stands for all the extra ones: `handle` sees the count, not the payloads.
     return kept + [b""] * min(extra, 1)
+
+
+def gate_from_settings(settings: Settings) -> RegistryGate:
+    secret = settings.registry_secret
+    verifier = (
+        None
+        if secret is None
+        else Verifier(secret.get_secret_value().encode(), settings.registry_max_skew_seconds)
+    )
+    return RegistryGate(
+        verifier,
+        allow_unsigned_v0=settings.registry_allow_unsigned_v0,
+        v0_cidrs=parse_cidrs(settings.registry_v0_cidrs),
+        address_cidrs=parse_cidrs(settings.registry_address_cidrs),
+    )
+
+
+def _auth_summary(settings: Settings) -> str:
+    """What the registry admits, for the startup log line (never the secret itself)."""
+    if settings.registry_secret is None:
+        parts = ["unauthenticated"]
+    else:
+        v0 = "unsigned v0 allowed" if settings.registry_allow_unsigned_v0 else "v0 refused"
+        parts = [f"v1 must be signed, {v0}"]
+    if settings.registry_v0_cidrs:
+        parts.append("v0 from " + " ".join(settings.registry_v0_cidrs))
+    if settings.registry_address_cidrs:
+        parts.append("addresses in " + " ".join(settings.registry_address_cidrs))
+    return "; ".join(parts)
 
 
 def _role_name(instance: Instance) -> str:

@@ -11,10 +11,12 @@ from __future__ import annotations
 import argparse
 import json
 import logging
+import os
 import signal
 import sys
 import urllib.error
 import urllib.request
+from collections.abc import Mapping
 from pathlib import Path
 from types import FrameType
 from typing import Any
@@ -25,6 +27,7 @@ from pdproxy.worker.announcement import WorkerGeometry, WorkerIdentity
 from pdproxy.worker.announcer import DEFAULT_INTERVAL_S, Announcer, LoadSample
 from pdproxy.worker.model_config import ModelConfigError, geometry_from_model_config
 from pdproxy.worker.registry_client import RegistryClient
+from pdproxy.worker.secret import SECRET_ENV, read_secret_file, secret_from_text
 from pdproxy.worker.vllm_metrics import MetricsFormatError, load_from_metrics
 
 log = logging.getLogger("pdproxy.announce")
@@ -81,6 +84,12 @@ def add_cli(commands: Any) -> None:
     parser.add_argument("--metrics-url", help="default: http://HTTP_ADDRESS/metrics")
     parser.add_argument("--interval", type=_positive_float, default=DEFAULT_INTERVAL_S)
     parser.add_argument("--scrape-timeout", type=_positive_float, default=2.0)
+    parser.add_argument(
+        "--registry-secret-file",
+        type=Path,
+        help="file holding the registry secret to sign messages with (or set "
+        f"{SECRET_ENV}); never passed as a flag value, which `ps` would show",
+    )
     parser.add_argument("--log-level", default="info")
     parser.set_defaults(func=run)
 
@@ -100,6 +109,16 @@ def build_identity(args: argparse.Namespace) -> WorkerIdentity:
         connector=args.connector,
         geometry=geometry,
     )
+
+
+def registry_secret(args: argparse.Namespace, environ: Mapping[str, str]) -> bytes | None:
+    """From --registry-secret-file, else the environment; None: messages go unsigned."""
+    if args.registry_secret_file is not None:
+        return read_secret_file(args.registry_secret_file)
+    text = environ.get(SECRET_ENV)
+    if text is None:
+        return None
+    return secret_from_text(text.encode(), SECRET_ENV)
 
 
 def _geometry(args: argparse.Namespace) -> WorkerGeometry:
@@ -139,13 +158,18 @@ def run(args: argparse.Namespace) -> int:
     logging.basicConfig(level=args.log_level.upper(), stream=sys.stderr)
     try:
         identity = build_identity(args)
+        secret = registry_secret(args, os.environ)
     except ValueError as exc:
         print(f"pdproxy announce: {exc}", file=sys.stderr)
         return 2
     metrics_url = args.metrics_url or f"http://{args.http_address}/metrics"
     client = RegistryClient(args.registry, identity=args.zmq_address)
     announcer = Announcer(
-        client, identity, MetricsScraper(metrics_url, args.scrape_timeout), args.interval
+        client,
+        identity,
+        MetricsScraper(metrics_url, args.scrape_timeout),
+        args.interval,
+        secret=secret,
     )
 
     def stop(signum: int, _frame: FrameType | None) -> None:
@@ -154,7 +178,13 @@ def run(args: argparse.Namespace) -> int:
 
     signal.signal(signal.SIGTERM, stop)
     signal.signal(signal.SIGINT, stop)
-    log.info("announcing %s (%s) to %s", args.http_address, args.role, args.registry)
+    log.info(
+        "announcing %s (%s) to %s%s",
+        args.http_address,
+        args.role,
+        args.registry,
+        ", signed" if secret is not None else "",
+    )
     try:
         announcer.run()
     finally:

@@ -8,8 +8,11 @@ from __future__ import annotations
 
 import logging
 import threading
+import time
 from collections.abc import Callable
+from typing import Any
 
+from pdproxy.registry.auth import new_nonce, signed
 from pdproxy.worker.announcement import (
     WorkerIdentity,
     WorkerLoad,
@@ -41,6 +44,8 @@ class Announcer:
         identity: WorkerIdentity,
         sample: Callable[[], LoadSample],
         interval_s: float = DEFAULT_INTERVAL_S,
+        secret: bytes | None = None,
+        wall_clock: Callable[[], float] = time.time,
     ) -> None:
         if interval_s <= 0:
             raise ValueError("the announce interval must be positive")
@@ -48,6 +53,8 @@ class Announcer:
         self._identity = identity
         self._sample = sample
         self._interval = interval_s
+        self._secret = secret  # signs every message when set (announce and leave)
+        self._wall_clock = wall_clock
         self._stop = threading.Event()
         self._thread: threading.Thread | None = None
 
@@ -57,14 +64,20 @@ class Announcer:
         except Exception as exc:  # a failing load source must not silence the announcements
             log.warning("pdproxy announcer: load source failed: %r", exc)
             sample = LoadSample(None, healthy=False)
-        return self._client.send(announce_message(self._identity, sample.load, sample.healthy))
+        message = announce_message(self._identity, sample.load, sample.healthy)
+        return self._client.send(self._seal(message))
+
+    def _seal(self, message: dict[str, Any]) -> dict[str, Any]:
+        if self._secret is None:
+            return message
+        return signed(message, self._secret, self._wall_clock(), new_nonce())
 
     def run(self) -> None:
         """Announce until stop(); then say goodbye."""
         while not self._stop.is_set():
             self.announce_once()
             self._stop.wait(self._interval)
-        self._client.send(leave_message(self._identity))
+        self._client.send(self._seal(leave_message(self._identity)))
 
     def start(self) -> None:
         self._thread = threading.Thread(target=self.run, name="pdproxy-announcer", daemon=True)

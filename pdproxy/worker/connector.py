@@ -28,6 +28,7 @@ from pdproxy.worker.connector_settings import ConnectorSettings, connector_setti
 from pdproxy.worker.load_tracker import LoadTracker
 from pdproxy.worker.registry_client import RegistryClient
 from pdproxy.worker.request_log import RequestLog
+from pdproxy.worker.secret import read_secret_file
 from pdproxy.worker.vllm_geometry import geometry_from_vllm_config
 
 log = logging.getLogger("pdproxy.worker")
@@ -75,8 +76,13 @@ class PdproxyConnector(KVConnectorBase_V1):  # type: ignore[misc]
             model=identity.model,
             geometry=None if identity.geometry is None else identity.geometry.as_map(),
         )
+        secret_file = settings.registry_secret_file
+        # Read before anything connects: a missing or short secret fails the engine's start.
+        secret = None if secret_file is None else read_secret_file(secret_file)
         client = RegistryClient(settings.registry, identity=settings.zmq_address)
-        announcer = Announcer(client, identity, self._sample, settings.announce_interval_s)
+        announcer = Announcer(
+            client, identity, self._sample, settings.announce_interval_s, secret=secret
+        )
         announcer.start()
         log.info("pdproxy connector: announcing %s to %s", identity.http_address, settings.registry)
         return announcer

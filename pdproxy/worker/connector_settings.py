@@ -9,7 +9,9 @@ is honoured. pdproxy's own extra keys:
   kv_ip, else this host's address as vLLM itself finds it);
 - connector_kind: the kind announced to the registry (default "pdproxy");
 - announce_interval: seconds between announcements (default 3);
-- record_path: a JSON-lines file recording what the engine showed the connector (tests).
+- record_path: a JSON-lines file recording what the engine showed the connector (tests);
+- registry_secret_file: a file holding the registry secret; when set, every v1 message is
+  signed with it (pdproxy.registry.auth).
 """
 
 from __future__ import annotations
@@ -39,6 +41,7 @@ class ConnectorSettings:
     connector_kind: str
     announce_interval_s: float
     record_path: Path | None
+    registry_secret_file: Path | None = None
 
     @property
     def zmq_address(self) -> str:
@@ -70,6 +73,9 @@ def connector_settings(
     registry = None if proxy_ip is None else f"{proxy_ip}:{_port(proxy_port, 'proxy_port')}"
     http_port = extra.get("http_port")
     record_path = extra.get("record_path")
+    secret_file = extra.get("registry_secret_file")
+    if secret_file is not None and not str(secret_file).strip():
+        raise ConnectorConfigError("registry_secret_file must not be empty")
     interval = _seconds(extra.get("announce_interval", DEFAULT_INTERVAL_S), "announce_interval")
     return ConnectorSettings(
         role=role,
@@ -80,6 +86,7 @@ def connector_settings(
         connector_kind=str(extra.get("connector_kind", "pdproxy")),
         announce_interval_s=interval,
         record_path=None if record_path is None else Path(str(record_path)),
+        registry_secret_file=None if secret_file is None else Path(str(secret_file)),
     )
 
 

@@ -43,9 +43,10 @@ from tests.deploy.support import (
 SCHEMA: dict[str, Any] = json.loads((CHART / "values.schema.json").read_text(encoding="utf-8"))
 DEFAULT_VALUES: dict[str, Any] = yaml.safe_load((CHART / "values.yaml").read_text("utf-8"))
 # Settings the chart sets itself rather than through `config`: the listening addresses (the
-# Services and probes point at them) and the upstream key (a Secret, never a ConfigMap).
+# Services and probes point at them) and the upstream key and registry secret (a Secret, never a
+# ConfigMap; the registry secret through extraEnv until the chart's fleet can sign).
 CHART_OWNED = {"host", "port", "registry_bind"}
-FROM_SECRET = {"upstream_api_key"}
+FROM_SECRET = {"upstream_api_key", "registry_secret"}
 # Objects with no schema in kubernetes-validate (a CRD); checked field by field below instead.
 CUSTOM_KINDS = {("monitoring.coreos.com/v1", "ServiceMonitor")}
 OLDEST_KUBERNETES = "1.25"  # Chart.yaml's kubeVersion

@@ -6,6 +6,7 @@ from __future__ import annotations
 import asyncio
 import contextlib
 import logging
+import time
 from collections.abc import Callable
 from dataclasses import asdict
 from typing import Any
@@ -14,6 +15,7 @@ import msgpack
 import zmq
 import zmq.asyncio
 
+from pdproxy.registry.auth import new_nonce, signed
 from pdproxy.testing.fake_worker.asyncio_helpers import cancel_task
 from pdproxy.testing.fake_worker.config import WorkerConfig
 from pdproxy.worker.announcement import (
@@ -43,9 +45,10 @@ def announce_message(cfg: WorkerConfig, op: str, load: WorkerLoad) -> dict[str, 
     )
     if cfg.announce == "v0":
         return v0_message(identity)  # byte-for-byte what stock vLLM's P2pNcclEngine sends
-    if op == "leave":
-        return leave_message(identity)
-    return worker_announce_message(identity, load)
+    message = leave_message(identity) if op == "leave" else worker_announce_message(identity, load)
+    if cfg.registry_secret is not None:
+        return signed(message, cfg.registry_secret, time.time(), new_nonce())
+    return message
 
 
 async def send_frame(sock: zmq.asyncio.Socket, message: dict[str, Any], timeout_s: float) -> bool:

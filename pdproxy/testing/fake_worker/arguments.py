@@ -3,9 +3,11 @@
 from __future__ import annotations
 
 import argparse
+from pathlib import Path
 
 from pdproxy.ids import Address, AddressError, make_address, parse_address
 from pdproxy.testing.fake_worker.config import CONNECTOR_KINDS, Geometry, WorkerConfig
+from pdproxy.worker.secret import read_secret_file
 
 
 def port(text: str) -> int:
@@ -82,6 +84,13 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
         metavar="SECONDS",
         help="seconds between announcements (default: %(default)s)",
     )
+    add(
+        "--registry-secret-file",
+        type=Path,
+        default=None,
+        metavar="FILE",
+        help="file holding the registry secret; when given, v1 messages are signed",
+    )
     add("--model", default="fake-model", help="served model name (default: %(default)s)")
     add(
         "--token-latency-ms",
@@ -154,7 +163,9 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
 
 
 def config_from_args(args: argparse.Namespace) -> WorkerConfig:
-    """Raises AddressError when the KV address could not be carried in a request id."""
+    """Raises AddressError when the KV address could not be carried in a request id, and
+    SecretError when the registry secret file cannot be read."""
+    secret_file = args.registry_secret_file
     kv_host = args.kv_host if args.kv_host is not None else args.host
     return WorkerConfig(
         role=args.role,
@@ -180,4 +191,5 @@ def config_from_args(args: argparse.Namespace) -> WorkerConfig:
             is_mla=args.is_mla,
             kv_layout=args.kv_layout,
         ),
+        registry_secret=None if secret_file is None else read_secret_file(secret_file),
     )

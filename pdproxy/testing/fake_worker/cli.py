@@ -10,6 +10,7 @@ from collections.abc import Sequence
 from pdproxy.ids import AddressError
 from pdproxy.testing.fake_worker.arguments import add_arguments, config_from_args
 from pdproxy.testing.fake_worker.server import run_worker
+from pdproxy.worker.secret import SecretError
 
 DESCRIPTION = (
     "Run a fake vLLM prefill or decode worker: OpenAI endpoints with deterministic text, "
@@ -25,6 +26,9 @@ def run_from_args(args: argparse.Namespace) -> int:
         cfg = config_from_args(args)
     except AddressError as err:
         print(f"fake-worker: bad KV address: {err}", file=sys.stderr)
+        return 2
+    except SecretError as err:
+        print(f"fake-worker: {err}", file=sys.stderr)
         return 2
     return asyncio.run(run_worker(cfg))
 

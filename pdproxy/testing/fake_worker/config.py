@@ -2,7 +2,7 @@
 
 from __future__ import annotations
 
-from dataclasses import dataclass
+from dataclasses import dataclass, field
 from typing import Literal
 
 from pdproxy.ids import Address
@@ -44,6 +44,8 @@ class WorkerConfig:
     kv_capacity_tokens: int
     connector: ConnectorKind
     geometry: Geometry
+    # Signs every v1 message when set (pdproxy.registry.auth); kept out of repr and logs.
+    registry_secret: bytes | None = field(default=None, repr=False)
 
     @property
     def pulls_kv(self) -> bool:
