@@ -35,6 +35,16 @@ REAL_GEOMETRY = {
 
 
 def test_connector_announces_real_geometry(real_stack: RealStack) -> None:
+    servers = (real_stack.prefill, real_stack.decode)
+
+    def idle() -> bool:
+        listed = real_stack.instances()
+        return all(listed[server.http_address]["load"]["running"] == 0 for server in servers)
+
+    # Load is reported every announce interval (1 s): requests of earlier tests (aborted ones
+    # included) may still show for one report. A request the connector never saw finish would
+    # keep `running` above 0 and fail here.
+    wait_until(idle, 10.0, "both servers to announce no running request")
     instances = real_stack.instances()
     for server, role in ((real_stack.prefill, "P"), (real_stack.decode, "D")):
         item = instances[server.http_address]
