@@ -8,8 +8,10 @@ bounded whatever a hostile sender writes.
 from __future__ import annotations
 
 import math
+from collections.abc import Mapping
 from dataclasses import dataclass
 from enum import StrEnum
+from types import MappingProxyType
 from typing import Any
 
 import msgpack
@@ -103,7 +105,22 @@ class Leave:
 Message = Announcement | Leave
 
 MAX_MODEL_NAME = 256
-_INT_GEOMETRY_FIELDS = ("tp_size", "block_size", "num_layers", "num_kv_heads", "head_dim")
+# Upper bounds of the integer geometry fields, each far above any real model or deployment
+# (the largest have ~128 layers and KV heads, head_dim 576 with MLA, TP 64, blocks of a few
+# hundred tokens). They keep what pairing derives from an announcement cheap and finite: a
+# pair's rank map has one entry per decode rank, so a tp_size of 2**40 once stalled the event
+# loop (and /health with it); and KV bytes per block, 2 x layers x max(heads, tp) x head_dim x
+# 4-byte dtype x block_size, stays below 2**63, which JSON (orjson) can carry.
+MAX_TP_SIZE = 1024
+GEOMETRY_LIMITS: Mapping[str, int] = MappingProxyType(
+    {
+        "tp_size": MAX_TP_SIZE,
+        "block_size": 65536,
+        "num_layers": 4096,
+        "num_kv_heads": 4096,
+        "head_dim": 16384,
+    }
+)
 _KV_LAYOUTS = ("NHD", "HND")
 MAX_DTYPE_NAME = 32
 
@@ -204,12 +221,12 @@ def _geometry(value: object) -> Geometry | None:
     if not isinstance(value, dict):
         raise Rejected(Reason.BAD_GEOMETRY, "'geometry' must be a map")
     fields: dict[str, Any] = {}
-    for key in _INT_GEOMETRY_FIELDS:
+    for key, limit in GEOMETRY_LIMITS.items():
         item = value.get(key)
         if item is None:
             continue
-        if not _is_int(item) or item < 1:
-            raise Rejected(Reason.BAD_GEOMETRY, f"geometry.{key} must be a positive integer")
+        if not _is_int(item) or not 1 <= item <= limit:
+            raise Rejected(Reason.BAD_GEOMETRY, f"geometry.{key} must be an integer in 1..{limit}")
         fields[key] = item
     dtype = value.get("kv_dtype")
     if dtype is not None:

@@ -13,6 +13,7 @@ from hypothesis import strategies as st
 
 from pdproxy.ids import Address, validate_host
 from pdproxy.registry.messages import (
+    MAX_TP_SIZE,
     Announcement,
     Connector,
     Geometry,
@@ -580,7 +581,7 @@ def test_near_valid_maps_only_reject(payload: dict[str, Any]) -> None:
 
 valid_geometry = st.builds(
     Geometry,
-    tp_size=st.none() | st.integers(1, 2**31),
+    tp_size=st.none() | st.integers(1, MAX_TP_SIZE),
     block_size=st.none() | st.integers(1, 1024),
     num_layers=st.none() | st.integers(1, 200),
     num_kv_heads=st.none() | st.integers(1, 256),

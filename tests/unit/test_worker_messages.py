@@ -13,6 +13,7 @@ from hypothesis import strategies as st
 
 from pdproxy.ids import Address
 from pdproxy.registry.messages import (
+    GEOMETRY_LIMITS,
     Announcement,
     Connector,
     Leave,
@@ -335,14 +336,19 @@ _hosts = st.from_regex(
     r"[a-z]([a-z0-9-]{0,8}[a-z0-9])?(\.[a-z]([a-z0-9-]{0,8}[a-z0-9])?){0,2}", fullmatch=True
 )
 _addresses = st.builds(lambda host, port: f"{host}:{port}", _hosts, st.integers(1, 65535))
-_positive = st.integers(1, 2**63 - 1)
+
+
+def _in_limits(name: str) -> st.SearchStrategy[int | None]:
+    return st.none() | st.integers(1, GEOMETRY_LIMITS[name])
+
+
 _geometries = st.builds(
     WorkerGeometry,
-    tp_size=st.none() | _positive,
-    block_size=st.none() | _positive,
-    num_layers=st.none() | _positive,
-    num_kv_heads=st.none() | _positive,
-    head_dim=st.none() | _positive,
+    tp_size=_in_limits("tp_size"),
+    block_size=_in_limits("block_size"),
+    num_layers=_in_limits("num_layers"),
+    num_kv_heads=_in_limits("num_kv_heads"),
+    head_dim=_in_limits("head_dim"),
     kv_dtype=st.none() | st.text(min_size=1, max_size=32),
     is_mla=st.none() | st.booleans(),
     kv_layout=st.none() | st.sampled_from(["NHD", "HND"]),
