@@ -32,11 +32,12 @@ import subprocess
 import sys
 import tempfile
 import time
-from collections.abc import Iterator, Sequence
+from collections.abc import Sequence
 from dataclasses import dataclass, field
 from pathlib import Path
-from types import FrameType
 from typing import Any
+
+from unwind import Terminated, signals_unwind
 
 BENCH_DIR = Path(__file__).resolve().parent
 REPO_ROOT = BENCH_DIR.parent
@@ -408,36 +409,6 @@ def _git_rev() -> str | None:
     return None
 
 
-class _Terminated(Exception):
-    """SIGTERM/SIGHUP arrived: unwind so the ``finally`` that stops children runs."""
-
-    def __init__(self, signum: int) -> None:
-        super().__init__(signal.Signals(signum).name)
-        self.signum = signum
-
-
-@contextlib.contextmanager
-def _signals_unwind() -> Iterator[None]:
-    """Make Ctrl-C, SIGTERM and SIGHUP raise, so every started process gets stopped.
-
-    SIGINT is set explicitly: a shell starts background jobs with SIGINT ignored.
-    """
-
-    def on_term(signum: int, frame: FrameType | None) -> None:
-        raise _Terminated(signum)
-
-    previous = {
-        signal.SIGINT: signal.signal(signal.SIGINT, signal.default_int_handler),
-        signal.SIGTERM: signal.signal(signal.SIGTERM, on_term),
-        signal.SIGHUP: signal.signal(signal.SIGHUP, on_term),
-    }
-    try:
-        yield
-    finally:
-        for sig, old in previous.items():
-            signal.signal(sig, old)
-
-
 def run_bench(args: argparse.Namespace) -> dict[str, Any]:
     pin = _pinning(args.proxy_core, args.aux_core, args.no_pin)
     print(f"pinning: {pin.note}", flush=True)
@@ -576,7 +547,7 @@ def main(argv: list[str] | None = None) -> int:
         parser.error("--duration must be > 0 and --warmup >= 0")
 
     try:
-        with _signals_unwind():
+        with signals_unwind():
             report = run_bench(args)
     except BenchError as exc:
         print(f"benchmark failed: {exc}", file=sys.stderr)
@@ -584,7 +555,7 @@ def main(argv: list[str] | None = None) -> int:
     except KeyboardInterrupt:
         print("interrupted; all started processes were stopped", file=sys.stderr)
         return 130
-    except _Terminated as exc:
+    except Terminated as exc:
         print(f"got {exc}; all started processes were stopped", file=sys.stderr)
         return 128 + exc.signum
 

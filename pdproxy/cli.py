@@ -16,10 +16,17 @@ def serve(settings: Settings) -> int:
     import uvicorn
 
     from pdproxy.proxy.app import create_app
+    from pdproxy.proxy.credentials import CredentialsError
+    from pdproxy.proxy.draining import FINAL_GRACE_SECONDS, DrainingServer
 
     configure_logging(settings.log_level, settings.log_format)
+    try:
+        app = create_app(settings)
+    except CredentialsError as exc:
+        print(f"pdproxy serve: {exc}", file=sys.stderr)
+        return 2
     config = uvicorn.Config(
-        create_app(settings),
+        app,
         host=settings.host,
         port=settings.port,
         loop=_event_loop(),
@@ -30,10 +37,30 @@ def serve(settings: Settings) -> int:
         log_config=None,  # configure_logging did it
         server_header=False,
         proxy_headers=False,
+        timeout_graceful_shutdown=FINAL_GRACE_SECONDS,
+        backlog=settings.backlog,
     )
-    server = uvicorn.Server(config)
+    _raise_descriptor_limit()
+    server = DrainingServer(config, app, settings.drain_seconds)
     server.run()
     return 0 if server.started else 1
+
+
+def _raise_descriptor_limit() -> None:
+    """Each held stream needs two descriptors (client and decode leg): take all the process
+    may have, and say what that allows."""
+    import logging
+    import resource
+
+    soft, hard = resource.getrlimit(resource.RLIMIT_NOFILE)
+    if hard != resource.RLIM_INFINITY and soft < hard:
+        resource.setrlimit(resource.RLIMIT_NOFILE, (hard, hard))
+        soft = hard
+    logging.getLogger("pdproxy").info(
+        "file descriptor limit %s: about %s concurrent streams",
+        soft,
+        "unlimited" if soft == resource.RLIM_INFINITY else max(0, (soft - 256) // 2),
+    )
 
 
 def _event_loop() -> str:

@@ -164,7 +164,16 @@ class Settings(BaseModel):
         2, ge=1, description="Retry-After sent with 503 when no pair can serve a request."
     )
     upstream_max_connections: int = Field(
-        4096, ge=1, description="Cap on upstream exchanges in flight, all instances together."
+        4096,
+        ge=1,
+        description="Cap on upstream exchanges in flight, all instances together; a held "
+        "stream keeps one for its whole life, so this also caps concurrent streams.",
+    )
+    backlog: int = Field(
+        2048,
+        ge=1,
+        le=65535,
+        description="Listen backlog of the HTTP socket (the kernel caps it at somaxconn).",
     )
     otel_exporter: Literal["none", "otlp", "console"] = Field(
         "none",
@@ -213,6 +222,103 @@ class Settings(BaseModel):
         description="Prompts estimated shorter than this go straight to a decode instance that "
         "can compute them itself (nixl or pdproxy connector), with no prefill leg; 0: never.",
     )
+    max_attempts: int = Field(
+        3,
+        ge=1,
+        le=10,
+        description="Attempts per request: a prefill leg that fails before answering (refused, "
+        "reset, timeout, 5xx) is retried on another compatible prefill, a decode leg that "
+        "fails before its first byte with a new pair; never after a byte reached the client, "
+        "never on 4xx.",
+    )
+    retry_backoff_base_seconds: float = Field(
+        0.025,
+        ge=0,
+        le=60,
+        description="Wait before the first retry; doubles per retry, with jitter.",
+    )
+    retry_backoff_max_seconds: float = Field(
+        1.0, ge=0, le=600, description="Longest wait between two attempts."
+    )
+    outlier_consecutive_failures: int = Field(
+        5,
+        ge=1,
+        description="Failures in a row (connection, timeout, 5xx) that eject an instance "
+        "from routing.",
+    )
+    outlier_base_ejection_seconds: float = Field(
+        5.0,
+        gt=0,
+        description="First ejection's cool-down; each repeated ejection doubles it. After it "
+        "the instance is half-open: one success brings it back, one failure ejects it again.",
+    )
+    outlier_max_ejection_seconds: float = Field(
+        300.0, gt=0, description="Longest cool-down of an ejected instance."
+    )
+    outlier_max_ejection_percent: int = Field(
+        50,
+        ge=0,
+        le=100,
+        description="At most this share of a role's instances is ejected at a time (retries "
+        "route around the others).",
+    )
+    health_check_interval: float = Field(
+        0.0,
+        ge=0,
+        description="Seconds between active GET /health probes of every registered instance; "
+        "failures count toward ejection, a success closes a half-open circuit; 0: off.",
+    )
+    health_check_timeout: float = Field(
+        2.0, gt=0, description="Seconds an active /health probe may take."
+    )
+    max_inflight_requests: int = Field(
+        10000,
+        ge=1,
+        description="Completion requests served at once; more wait in a bounded queue.",
+    )
+    max_queued_requests: int = Field(
+        1000,
+        ge=0,
+        description="Requests waiting for a slot (proxy-wide or on a full instance); beyond "
+        "it 429 with Retry-After.",
+    )
+    queue_timeout: float = Field(
+        10.0,
+        gt=0,
+        description="Seconds a request may wait for a slot before 503 with Retry-After.",
+    )
+    instance_max_inflight: int = Field(
+        0,
+        ge=0,
+        description="Legs in flight on one instance before it is passed over (requests then "
+        "wait in the queue for one to free up); 0: no cap.",
+    )
+    drain_seconds: float = Field(
+        30.0,
+        ge=0,
+        description="On SIGTERM: /ready turns 503 and new requests are refused at once; "
+        "requests in flight get this long to finish before the process exits.",
+    )
+    api_key: list[SecretStr] = Field(
+        default_factory=list,
+        description="Client API key (repeatable; env: several separated by ';'); when any is "
+        "set, completion and model endpoints need `Authorization: Bearer KEY`.",
+    )
+    api_key_file: Path | None = Field(
+        None, description="File with client API keys, one per line (# comments allowed)."
+    )
+    open_paths: list[str] = Field(
+        default_factory=lambda: ["/health", "/ready", "/metrics"],
+        description="Paths served without an API key when keys are configured (repeatable).",
+    )
+    admin_token: SecretStr | None = Field(
+        None,
+        description="Bearer token for admin endpoints (registering, removing and draining "
+        "instances); without one they answer 403.",
+    )
+    admin_token_file: Path | None = Field(
+        None, description="File holding the admin token (its first line)."
+    )
     log_level: Literal["debug", "info", "warning", "error"] = Field(
         "info", description="Log level."
     )
@@ -222,9 +328,10 @@ class Settings(BaseModel):
         "line per completion request (ids, chosen pair, leg timings, outcome).",
     )
 
-    @field_validator("registry_v0_cidrs", "registry_address_cidrs", mode="before")
+    @field_validator("registry_v0_cidrs", "registry_address_cidrs", "open_paths", mode="before")
     @classmethod
-    def _split_cidrs(cls, value: Any) -> Any:
+    def _split_commas(cls, value: Any) -> Any:
+        """Each item may hold several, comma-separated (one env variable, one flag)."""
         if isinstance(value, str):
             value = [value]
         if not isinstance(value, list):
@@ -238,6 +345,13 @@ class Settings(BaseModel):
             return [str(network) for network in parse_cidrs(value)]
         except AuthConfigError as exc:
             raise ValueError(f"{exc} (expected e.g. 10.0.0.0/8 or fd00::/8)") from None
+
+    @field_validator("registry_secret", "admin_token", mode="before")
+    @classmethod
+    def _strip_secret(cls, value: Any) -> Any:
+        # A secret mounted from a file or a Kubernetes Secret usually ends with a newline the
+        # workers (which strip theirs) never sign with.
+        return value.strip() if isinstance(value, str) else value
 
     @field_validator("registry_secret")
     @classmethod
@@ -260,6 +374,38 @@ class Settings(BaseModel):
                 raise ValueError(f"{name} must be longer than connect_timeout")
         return self
 
+    @model_validator(mode="after")
+    def _ranges_ordered(self) -> Settings:
+        if self.retry_backoff_base_seconds > self.retry_backoff_max_seconds:
+            raise ValueError("retry_backoff_base_seconds must not exceed retry_backoff_max_seconds")
+        if self.outlier_base_ejection_seconds > self.outlier_max_ejection_seconds:
+            raise ValueError(
+                "outlier_base_ejection_seconds must not exceed outlier_max_ejection_seconds"
+            )
+        return self
+
+    @field_validator("api_key", mode="before")
+    @classmethod
+    def _one_key_is_a_list(cls, value: Any) -> Any:
+        return [value] if isinstance(value, str) else value
+
+    @field_validator("api_key")
+    @classmethod
+    def _keys_usable(cls, value: list[SecretStr]) -> list[SecretStr]:
+        for key in value:
+            text = key.get_secret_value()
+            if not text or text != text.strip() or any(c.isspace() for c in text):
+                raise ValueError("an API key must be non-empty and contain no whitespace")
+        return value
+
+    @field_validator("open_paths")
+    @classmethod
+    def _paths_absolute(cls, value: list[str]) -> list[str]:
+        for path in value:
+            if not path.startswith("/"):
+                raise ValueError(f"open path {path!r} must start with /")
+        return value
+
 
 class ConfigError(ValueError):
     """Settings could not be built; the message says which source and why."""
@@ -269,8 +415,20 @@ def _flag(name: str) -> str:
     return "--" + name.replace("_", "-")
 
 
-_LIST_METAVARS = {"registry_v0_cidrs": "CIDR", "registry_address_cidrs": "CIDR"}
-_LIST_FIELDS = ("prefill", "decode", "registry_v0_cidrs", "registry_address_cidrs")
+_LIST_METAVARS = {
+    "registry_v0_cidrs": "CIDR",
+    "registry_address_cidrs": "CIDR",
+    "api_key": "KEY",
+    "open_paths": "PATH",
+}
+_LIST_FIELDS = (
+    "prefill",
+    "decode",
+    "registry_v0_cidrs",
+    "registry_address_cidrs",
+    "api_key",
+    "open_paths",
+)
 
 
 def _is_list(name: str) -> bool:

@@ -43,6 +43,18 @@ class JsonFormatter(logging.Formatter):
         return orjson.dumps(line, default=str).decode()
 
 
+class TextFormatter(logging.Formatter):
+    """One line per record: control characters in the message (a model name or a client id
+    from the network) are escaped, so nobody can forge log lines. Tracebacks, added after the
+    message, keep their lines."""
+
+    def formatMessage(self, record: logging.LogRecord) -> str:
+        line = super().formatMessage(record)
+        if line.isprintable():
+            return line
+        return "".join(c if c.isprintable() else repr(c)[1:-1] for c in line)
+
+
 def _iso(created: float) -> str:
     seconds = time.strftime("%Y-%m-%dT%H:%M:%S", time.gmtime(created))
     return f"{seconds}.{int(created % 1 * 1000):03d}Z"
@@ -80,7 +92,7 @@ def configure_logging(level: str, log_format: LogFormat) -> DroppingQueueHandler
     """Set up the root logger. uvicorn's own loggers propagate to it (start it with
     log_config=None), so every line has the same format."""
     writer = logging.StreamHandler(sys.stderr)
-    formatter = JsonFormatter() if log_format == "json" else logging.Formatter(TEXT_FORMAT)
+    formatter = JsonFormatter() if log_format == "json" else TextFormatter(TEXT_FORMAT)
     writer.setFormatter(formatter)
     records: queue.Queue[logging.LogRecord] = queue.Queue(MAX_QUEUED_RECORDS)
     handler = DroppingQueueHandler(records)

@@ -8,12 +8,17 @@ removed when the instance leaves, so label cardinality is bounded by the registr
 from __future__ import annotations
 
 import contextlib
+from collections.abc import Callable, Iterable, Mapping
 
 from prometheus_client import CollectorRegistry, Counter, Gauge, Histogram
+from prometheus_client.core import GaugeMetricFamily, Metric
 from prometheus_client.exposition import CONTENT_TYPE_LATEST, generate_latest
+from prometheus_client.registry import Collector
 
 from pdproxy.pairing.planner import Unpaired
 from pdproxy.registry.messages import Reason, Role
+from pdproxy.reliability.failures import RETRYABLE_KINDS
+from pdproxy.reliability.outlier import CIRCUIT_LEVEL, Circuit
 
 # Latency buckets from sub-millisecond proxy overhead to multi-minute prefills of long prompts.
 _LATENCY_BUCKETS = (
@@ -42,6 +47,7 @@ CONTENT_TYPE = CONTENT_TYPE_LATEST
 PREFILL = "prefill"
 DECODE = "decode"
 LEG_ROLES = (PREFILL, DECODE)  # the role label of in-flight legs and upstream errors
+REFUSALS = ("queue_full", "queue_timeout", "draining", "unauthorized")
 
 
 class Metrics:
@@ -110,6 +116,51 @@ class Metrics:
             "itself (conditional disaggregation: no prefill leg, no KV transfer).",
             registry=r,
         )
+        self.retries = Counter(
+            "pdproxy_retries",
+            "Attempts retried after a leg failed before the client saw a byte, by the failed "
+            "leg's role and the failure's kind.",
+            ["role", "reason"],
+            registry=r,
+        )
+        self.ejections = Counter(
+            "pdproxy_outlier_ejections",
+            "Instances taken out of rotation after failing repeatedly, by role.",
+            ["role"],
+            registry=r,
+        )
+        self.admitted = Gauge(
+            "pdproxy_admitted_requests",
+            "Completion requests admitted and not finished (capped by max_inflight_requests).",
+            registry=r,
+        )
+        self.queued = Gauge(
+            "pdproxy_queued_requests",
+            "Requests waiting for a slot or for an instance below its cap.",
+            registry=r,
+        )
+        self.refused = Counter(
+            "pdproxy_refused_requests",
+            "Requests refused before any work, by reason (queue_full, queue_timeout, draining, "
+            "unauthorized).",
+            ["reason"],
+            registry=r,
+        )
+        self.health_probes = Counter(
+            "pdproxy_health_probes",
+            "Active GET /health probes of registered instances, by outcome (ok, failed).",
+            ["outcome"],
+            registry=r,
+        )
+        for reason in REFUSALS:
+            self.refused.labels(reason)
+        for role in LEG_ROLES:
+            for kind in sorted(RETRYABLE_KINDS):
+                self.retries.labels(role, kind)
+        for outcome in ("ok", "failed"):
+            self.health_probes.labels(outcome)
+        for role in LEG_ROLES:
+            self.ejections.labels(role)
         for unpaired in Unpaired:
             self.unpaired.labels(unpaired.value)
         for role in Role:
@@ -158,5 +209,33 @@ class Metrics:
         if all((r, instance) not in self._legs for r in LEG_ROLES):
             self._departed.discard(instance)
 
+    def watch_circuits(self, circuits: Callable[[], Mapping[str, Circuit]]) -> None:
+        """Export each instance's circuit (0 closed, 1 half-open, 2 open), read at scrape
+        time from the outlier detector, so it never outlives the instance."""
+        self.registry.register(_CircuitCollector(circuits))
+
     def render(self) -> bytes:
         return generate_latest(self.registry)
+
+
+class _CircuitCollector(Collector):
+    def __init__(self, circuits: Callable[[], Mapping[str, Circuit]]) -> None:
+        self._circuits = circuits
+
+    def describe(self) -> list[Metric]:
+        return [self._family()]
+
+    def collect(self) -> Iterable[Metric]:
+        family = self._family()
+        for instance, circuit in sorted(self._circuits().items()):
+            family.add_metric([instance], CIRCUIT_LEVEL[circuit])
+        return [family]
+
+    @staticmethod
+    def _family() -> GaugeMetricFamily:
+        return GaugeMetricFamily(
+            "pdproxy_instance_circuit",
+            "Outlier state of instances that failed lately: 0 closed, 1 half-open (on "
+            "probation), 2 open (ejected). Instances never seen failing are not listed.",
+            labels=["instance"],
+        )

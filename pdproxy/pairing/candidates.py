@@ -24,6 +24,8 @@ class Candidates:
         inflight: InFlight,
         kv_capacity_tokens: int,
         prefix_cache: PrefixCache | None = None,
+        *,
+        live: bool = True,
     ) -> None:
         if not instances:
             raise ValueError("a candidate set is never empty")
@@ -32,6 +34,9 @@ class Candidates:
         self.prefix_cache = prefix_cache if prefix_cache is not None else PrefixCache()
         self._inflight = inflight
         self._kv_capacity_tokens = kv_capacity_tokens
+        # A live set's boards follow every later leg; a one-off set (a retry that avoids
+        # instances) reads the scores once and leaves no listener behind.
+        self._live = live
         self._boards: dict[LoadKind, ScoreBoard] = {}
         self._derived: dict[str, Any] = {}
 
@@ -47,7 +52,8 @@ class Candidates:
             board = ScoreBoard(
                 self.instances, scoring(kind, self._kv_capacity_tokens), self._inflight
             )
-            self._inflight.listen((i.http_address for i in self.instances), board.changed)
+            if self._live:
+                self._inflight.listen((i.http_address for i in self.instances), board.changed)
             self._boards[kind] = board
         return board
 

@@ -139,8 +139,10 @@ class FleetIndex:
         allow_unknown_geometry: bool = False,
         kv_capacity_tokens: int = DEFAULT_KV_CAPACITY_TOKENS,
         prefix_cache: PrefixCache | None = None,
+        live: bool = True,
     ) -> None:
         self.snapshot = snapshot
+        self._live = live
         self.allow_unknown_geometry = allow_unknown_geometry
         self._inflight = inflight
         self._prefix_cache = prefix_cache
@@ -175,7 +177,13 @@ class FleetIndex:
         return view
 
     def candidates(self, instances: tuple[Instance, ...]) -> Candidates:
-        return Candidates(instances, self._inflight, self._kv_capacity_tokens, self._prefix_cache)
+        return Candidates(
+            instances,
+            self._inflight,
+            self._kv_capacity_tokens,
+            self._prefix_cache,
+            live=self._live,
+        )
 
     def _build(self, model: str) -> FleetView:
         p_keys = [k for k, m in self.prefill_classes.items() if m[0].serves(model)]
@@ -259,6 +267,12 @@ class Planner:
 
     Every `plan` (and `plan_direct`) counts its legs in flight: the caller must `release`
     each chosen instance exactly once, when its leg ends.
+
+    Two ways to keep instances out of a plan, by name: `excluded` (ejected, drained, or at
+    their in-flight cap) is hard and changes rarely, so the index of the snapshot without them
+    is kept; `avoid` (what already failed this request) is soft and per request: a one-off
+    index is built without them, and if nothing is left the plan falls back to them, since
+    retrying a failed instance beats failing the request.
     """
 
     def __init__(
@@ -269,9 +283,12 @@ class Planner:
         spread_pairs: bool | None = None,
         allow_unknown_geometry: bool = False,
         kv_capacity_tokens: int = DEFAULT_KV_CAPACITY_TOKENS,
+        instance_cap: int = 0,
     ) -> None:
         if kv_capacity_tokens < 1:
             raise ValueError("kv_capacity_tokens must be at least 1")
+        if instance_cap < 0:
+            raise ValueError("instance_cap must not be negative")
         self.prefill_policy = prefill_policy
         self.decode_policy = decode_policy
         self.inflight = InFlight()
@@ -283,25 +300,65 @@ class Planner:
         self._spread_pairs = both_round_robin if spread_pairs is None else spread_pairs
         self._allow_unknown_geometry = allow_unknown_geometry
         self._kv_capacity_tokens = kv_capacity_tokens
+        self._instance_cap = instance_cap
+        self._full: frozenset[str] = frozenset()
         self._prefill_ticket = 0
         self._decode_ticket = 0
         self._index: FleetIndex | None = None
+        self._index_source: tuple[Snapshot, frozenset[str]] | None = None
 
-    def index(self, snapshot: Snapshot) -> FleetIndex:
-        if self._index is None or self._index.snapshot is not snapshot:
+    @property
+    def full(self) -> frozenset[str]:
+        """Instances holding `instance_cap` legs: they take no more until one ends."""
+        return self._full
+
+    def index(self, snapshot: Snapshot, excluded: frozenset[str] = frozenset()) -> FleetIndex:
+        source = self._index_source
+        if (
+            self._index is None
+            or source is None
+            or source[0] is not snapshot
+            or (source[1] != excluded)
+        ):
             # The old index's score boards go with it: only the new ones follow the legs.
             self.inflight.clear_listeners()
-            self._index = FleetIndex(
-                snapshot,
-                self.inflight,
-                allow_unknown_geometry=self._allow_unknown_geometry,
-                kv_capacity_tokens=self._kv_capacity_tokens,
-                prefix_cache=self.prefix_cache,
-            )
+            self._index = self._build_index(without(snapshot, excluded), live=True)
+            self._index_source = (snapshot, excluded)
         return self._index
 
-    def plan(self, snapshot: Snapshot, request: RequestFeatures) -> Pair | NoPair:
-        view = self.index(snapshot).view(request.model)
+    def survey(self, snapshot: Snapshot, excluded: frozenset[str] = frozenset()) -> FleetIndex:
+        """An index for looking, not routing (readiness, listings): the routing index and
+        its score boards are left alone."""
+        return self._build_index(without(snapshot, excluded), live=False)
+
+    def _build_index(self, snapshot: Snapshot, *, live: bool) -> FleetIndex:
+        return FleetIndex(
+            snapshot,
+            self.inflight,
+            allow_unknown_geometry=self._allow_unknown_geometry,
+            kv_capacity_tokens=self._kv_capacity_tokens,
+            prefix_cache=self.prefix_cache,
+            live=live,
+        )
+
+    def _view(
+        self, snapshot: Snapshot, model: str, excluded: frozenset[str], avoid: frozenset[str]
+    ) -> FleetView:
+        view = self.index(snapshot, excluded).view(model)
+        if not avoid:
+            return view
+        narrowed = self._build_index(without(snapshot, excluded | avoid), live=False).view(model)
+        return view if narrowed.prefills is None else narrowed
+
+    def plan(
+        self,
+        snapshot: Snapshot,
+        request: RequestFeatures,
+        *,
+        excluded: frozenset[str] = frozenset(),
+        avoid: frozenset[str] = frozenset(),
+    ) -> Pair | NoPair:
+        view = self._view(snapshot, request.model, excluded, avoid)
         if view.prefills is None:
             return view.no_pair(request.model)
         prefill = self.prefill_policy.choose(view.prefills, request, self._prefill_ticket)
@@ -317,22 +374,53 @@ class Planner:
         windows, address = request.prefix_windows, prefill.http_address
         work = max(1, request.prompt_tokens - self.prefix_cache.cached_tokens(windows, address))
         self.prefix_cache.record(windows, address)
-        self.inflight.add(address, work)
-        self.inflight.add(decode.http_address, request.decode_tokens)
+        self._add(address, work)
+        self._add(decode.http_address, request.decode_tokens)
         return Pair(prefill, decode, work, request.decode_tokens)
 
-    def plan_direct(self, snapshot: Snapshot, request: RequestFeatures) -> Direct | None:
+    def plan_direct(
+        self,
+        snapshot: Snapshot,
+        request: RequestFeatures,
+        *,
+        excluded: frozenset[str] = frozenset(),
+        avoid: frozenset[str] = frozenset(),
+    ) -> Direct | None:
         """A decode instance able to compute the prompt itself, or None."""
-        direct = self.index(snapshot).view(request.model).direct
+        direct = self.index(snapshot, excluded).view(request.model).direct
+        if direct is not None and avoid:
+            narrowed = self._build_index(without(snapshot, excluded | avoid), live=False)
+            direct = narrowed.view(request.model).direct or direct
         if direct is None:
             return None
         decode = self.decode_policy.choose(direct, request, self._decode_ticket)
         self._decode_ticket += 1
-        self.inflight.add(decode.http_address, request.decode_tokens)
+        self._add(decode.http_address, request.decode_tokens)
         return Direct(decode, request.decode_tokens)
 
     def release(self, address: Address, tokens: int) -> None:
         self.inflight.remove(address, tokens)
+        if self._full and self.inflight.get(address).requests < self._instance_cap:
+            name = str(address)
+            if name in self._full:
+                self._full = self._full - {name}
+
+    def _add(self, address: Address, tokens: int) -> None:
+        self.inflight.add(address, tokens)
+        cap = self._instance_cap
+        if cap and self.inflight.get(address).requests >= cap:
+            self._full = self._full | {str(address)}
+
+
+def without(snapshot: Snapshot, excluded: frozenset[str]) -> Snapshot:
+    """The snapshot minus the named instances (the same object when none is named)."""
+    if not excluded:
+        return snapshot
+    return Snapshot(
+        snapshot.version,
+        tuple(i for i in snapshot.prefills if i.name not in excluded),
+        tuple(i for i in snapshot.decodes if i.name not in excluded),
+    )
 
 
 def round_robin_planner() -> Planner:

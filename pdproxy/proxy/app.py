@@ -20,21 +20,35 @@ from pdproxy.config import Settings
 from pdproxy.metrics import Metrics
 from pdproxy.pairing.planner import Planner
 from pdproxy.pairing.policies import make_policy
+from pdproxy.proxy.admission import Admission
 from pdproxy.proxy.completions import CompletionsEndpoint
+from pdproxy.proxy.credentials import Credentials
 from pdproxy.proxy.dispatch import Dispatcher
+from pdproxy.proxy.errors import error_body
 from pdproxy.proxy.exchange import Scope
+from pdproxy.proxy.prober import HealthProber
+from pdproxy.proxy.rotation import Rotation
 from pdproxy.proxy.routes import install_routes
 from pdproxy.proxy.tracing import Tracing, build_tracing
 from pdproxy.proxy.upstream import Upstream
 from pdproxy.registry.messages import Role
 from pdproxy.registry.server import RegistryServer
 from pdproxy.registry.table import Instance, RegistryTable, Source
+from pdproxy.reliability.outlier import OutlierDetector, OutlierPolicy
 
 log = logging.getLogger("pdproxy")
 
 COMPLETION_PATHS = ("/v1/completions", "/v1/chat/completions")
 _COUNTED_PATHS = frozenset(
-    ("/health", "/ready", "/metrics", "/v1/models", "/v1/instances", "/v1/instances/pairs")
+    (
+        "/health",
+        "/ready",
+        "/metrics",
+        "/v1/models",
+        "/v1/instances",
+        "/v1/instances/pairs",
+        "/openapi.json",
+    )
 )  # any other path is counted as "other": client-chosen paths must not grow label sets
 
 
@@ -46,8 +60,12 @@ class AppState:
     registry: RegistryServer
     upstream: Upstream
     planner: Planner
+    rotation: Rotation
     dispatcher: Dispatcher
     tracing: Tracing
+    outliers: OutlierDetector
+    admission: Admission
+    prober: HealthProber
     clock: Callable[[], float]
 
 
@@ -66,6 +84,16 @@ def planner_from(settings: Settings) -> Planner:
         make_policy(settings.decode_policy),
         allow_unknown_geometry=settings.allow_unknown_geometry,
         kv_capacity_tokens=settings.decode_kv_capacity_tokens,
+        instance_cap=settings.instance_max_inflight,
+    )
+
+
+def outlier_policy(settings: Settings) -> OutlierPolicy:
+    return OutlierPolicy(
+        settings.outlier_consecutive_failures,
+        settings.outlier_base_ejection_seconds,
+        settings.outlier_max_ejection_seconds,
+        settings.outlier_max_ejection_percent,
     )
 
 
@@ -83,9 +111,41 @@ async def build_state(settings: Settings, clock: Callable[[], float]) -> AppStat
     upstream = Upstream(settings)
     await upstream.start()
     planner = planner_from(settings)
-    dispatcher = Dispatcher(settings, table, planner, upstream, metrics, tracing, clock)
+    outliers = OutlierDetector(outlier_policy(settings))
+    metrics.watch_circuits(outliers.circuits)
+    admission = Admission(
+        settings.max_inflight_requests,
+        settings.max_queued_requests,
+        settings.queue_timeout,
+        settings.retry_after_seconds,
+        metrics,
+    )
+    rotation = Rotation(settings, table, planner, outliers, admission, metrics, clock)
+    dispatcher = Dispatcher(settings, rotation, upstream, metrics, tracing)
+    prober = HealthProber(
+        settings.health_check_interval,
+        settings.health_check_timeout,
+        table,
+        upstream,
+        outliers,
+        metrics,
+        clock,
+    )
+    prober.start()
     return AppState(
-        settings, metrics, table, registry, upstream, planner, dispatcher, tracing, clock
+        settings,
+        metrics,
+        table,
+        registry,
+        upstream,
+        planner,
+        rotation,
+        dispatcher,
+        tracing,
+        outliers,
+        admission,
+        prober,
+        clock,
     )
 
 
@@ -95,6 +155,8 @@ class PdproxyApp:
         self._clock = clock
         self._state: AppState | None = None
         self._hot: dict[str, CompletionsEndpoint] = {}
+        # Read before anything binds: a missing key file fails the start, not a request.
+        self.credentials = Credentials.from_settings(settings)
         self.api = FastAPI(lifespan=self._lifespan, docs_url=None, redoc_url=None, openapi_url=None)
         install_routes(self.api, self)
 
@@ -109,7 +171,9 @@ class PdproxyApp:
         state = await build_state(self.settings, self._clock)
         self._state = state
         self._hot = {
-            path: CompletionsEndpoint(path, self.settings, state.dispatcher, state.metrics)
+            path: CompletionsEndpoint(
+                path, self.settings, state.dispatcher, state.admission, state.metrics
+            )
             for path in COMPLETION_PATHS
         }
         log.info(
@@ -124,14 +188,33 @@ class PdproxyApp:
             yield
         finally:
             self._hot = {}
+            await state.prober.stop()
             await state.registry.stop()
             await state.upstream.close()
             state.tracing.shutdown()
             self._state = None
 
+    def begin_drain(self) -> None:
+        """SIGTERM: /ready answers 503 and new requests are refused from now on."""
+        if self._state is not None and not self._state.admission.draining:
+            self._state.admission.draining = True
+            log.info("draining: refusing new requests, waiting for those in flight")
+
+    @property
+    def idle(self) -> bool:
+        """Nothing in flight or waiting (always true outside the lifespan)."""
+        return self._state is None or self._state.admission.idle
+
     async def __call__(self, scope: Scope, receive: Any, send: Any) -> None:
         if scope["type"] != "http":
             await self.api(scope, receive, send)
+            return
+        if (
+            self.credentials.needs_key(scope["path"])
+            and not _is_admin(scope)
+            and not self.credentials.client_allowed(_authorization(scope))
+        ):
+            await self._unauthorized(scope, send)
             return
         endpoint = self._hot.get(scope["path"])
         if endpoint is not None:
@@ -154,6 +237,45 @@ class PdproxyApp:
             if self._state is not None:
                 path = scope["path"] if scope["path"] in _COUNTED_PATHS else "other"
                 self._state.metrics.requests.labels(path, str(status)).inc()
+
+    async def _unauthorized(self, scope: Scope, send: Any) -> None:
+        body = error_body(
+            401, "a valid API key is required (Authorization: Bearer KEY)", code="invalid_api_key"
+        )
+        await send(
+            {
+                "type": "http.response.start",
+                "status": 401,
+                "headers": [
+                    (b"content-type", b"application/json"),
+                    (b"content-length", str(len(body)).encode()),
+                    (b"www-authenticate", b'Bearer realm="pdproxy"'),
+                ],
+            }
+        )
+        await send({"type": "http.response.body", "body": body, "more_body": False})
+        if self._state is not None:
+            metrics = self._state.metrics
+            metrics.refused.labels("unauthorized").inc()
+            path = scope["path"]
+            counted = path if path in COMPLETION_PATHS or path in _COUNTED_PATHS else "other"
+            metrics.requests.labels(counted, "401").inc()
+
+
+def _authorization(scope: Scope) -> str | None:
+    for name, value in scope["headers"]:
+        if name == b"authorization":
+            text: str = value.decode("latin-1")
+            return text
+    return None
+
+
+def _is_admin(scope: Scope) -> bool:
+    """Admin endpoints answer to the admin token, not to client keys."""
+    path: str = scope["path"]
+    return path.startswith("/v1/admin/") or (
+        path.startswith("/v1/instances") and scope["method"] not in ("GET", "HEAD")
+    )
 
 
 def create_app(settings: Settings) -> PdproxyApp:

@@ -15,6 +15,7 @@ from typing import Any
 from pdproxy.config import Settings
 from pdproxy.logs import ACCESS_LOGGER, FIELDS
 from pdproxy.metrics import Metrics
+from pdproxy.proxy.admission import Admission
 from pdproxy.proxy.dispatch import Dispatcher
 from pdproxy.proxy.errors import ProxyError
 from pdproxy.proxy.exchange import ClientGone, ClientHeaders, Exchange, Scope
@@ -30,11 +31,17 @@ _MAX_TRACE_HEADER = 1024
 
 class CompletionsEndpoint:
     def __init__(
-        self, path: str, settings: Settings, dispatcher: Dispatcher, metrics: Metrics
+        self,
+        path: str,
+        settings: Settings,
+        dispatcher: Dispatcher,
+        admission: Admission,
+        metrics: Metrics,
     ) -> None:
         self._path = path
         self._settings = settings
         self._dispatcher = dispatcher
+        self._admission = admission
         self._requests = metrics.requests
         self._duration = metrics.request_duration.labels(path)
         self._access_log = settings.log_format == "json"
@@ -47,7 +54,12 @@ class CompletionsEndpoint:
         try:
             if scope["method"] != "POST":
                 raise ProxyError(405, f"method {scope['method']} not allowed; use POST")
-            async with asyncio.timeout(self._settings.request_timeout):
+            # Admitted before the body is read: waiting requests hold no bodies in memory.
+            async with (
+                asyncio.timeout(self._settings.request_timeout) as deadline,
+                self._admission.slot(),
+            ):
+                exchange.deadline = deadline.when() or exchange.deadline
                 body = await exchange.read_body(
                     self._settings.max_body_bytes, client.content_length
                 )
@@ -111,6 +123,7 @@ class CompletionsEndpoint:
             "direct": notes.direct,
             "prefill_ms": _ms(notes.prefill_seconds),
             "decode_first_byte_ms": _ms(notes.decode_first_byte_seconds),
+            "attempts": notes.attempts,
             "outcome": _outcome(exchange, status),
         }
         access.info("request", extra={FIELDS: fields})
@@ -145,7 +158,7 @@ def _ms(seconds: float | None) -> float | None:
     return None if seconds is None else round(seconds * 1000, 3)
 
 
-_STATUS_TEXT = {code: str(code) for code in (200, 400, 404, 408, 413, 499, 502, 503, 504)}
+_STATUS_TEXT = {code: str(code) for code in (200, 400, 401, 404, 408, 413, 429, 499, 502, 503, 504)}
 
 
 def _read_headers(raw: list[tuple[bytes, bytes]]) -> ClientHeaders:

@@ -3,13 +3,20 @@ decode (the client's body, relayed as it streams).
 
 Both legs carry the same tagged X-Request-Id so the P and D workers find each other. A failed
 prefill never sends decode (vLLM's example proxy goes on to decode, which then waits forever).
+
+A leg that fails before the client saw a byte is retried with a new pair and a new id, passing
+over the instances that already failed this request, with jittered exponential backoff, within
+the request's deadline. Every failure and success also feeds the outlier detector, which takes
+instances that keep failing out of rotation.
 """
 
 from __future__ import annotations
 
 import asyncio
 import contextlib
+import logging
 import os
+import random
 import time
 from collections.abc import Callable, Iterator
 from dataclasses import dataclass
@@ -19,68 +26,86 @@ from pdproxy.config import Settings
 from pdproxy.ids import build_request_id
 from pdproxy.metrics import DECODE, PREFILL, Metrics
 from pdproxy.pairing.features import RequestFeatures
-from pdproxy.pairing.planner import Direct, NoPair, Pair, Planner
+from pdproxy.pairing.planner import Direct
 from pdproxy.proxy.errors import ProxyError
 from pdproxy.proxy.exchange import ClientHeaders, Exchange, RequestNotes
 from pdproxy.proxy.kv_params import PARAMS_FIELD, params_from_answer, prefill_params, uses_params
 from pdproxy.proxy.prompt import request_features
 from pdproxy.proxy.request import CompletionRequest
+from pdproxy.proxy.rotation import Rotation
 from pdproxy.proxy.trace_context import trace_context
 from pdproxy.proxy.tracing import RequestTrace, Tracing
 from pdproxy.proxy.upstream import Reply, Upstream, UpstreamError
-from pdproxy.registry.table import Instance, RegistryTable, Snapshot
+from pdproxy.registry.table import Instance
+from pdproxy.reliability.backoff import RetryPolicy
+from pdproxy.reliability.failures import counts_against_instance, is_retryable
+
+log = logging.getLogger("pdproxy.dispatch")
 
 _ERROR_SNIPPET = 300
 
 
 @dataclass(slots=True)
 class Wait:
-    """What a leg is waiting for right now, and for how long at most."""
+    """What a leg is waiting for right now, and for how long at most; whether any of the
+    answer arrived (after that, the leg is never retried)."""
 
     what: str
     limit: float
+    answered: bool = False
+
+
+class LegFailed(ProxyError):
+    """A leg failed; `retryable` if another pair may serve the request instead."""
+
+    def __init__(self, error: ProxyError, role: str, instance: str, kind: str, retryable: bool):
+        super().__init__(
+            error.status, error.message, code=error.code, param=error.param, headers=error.headers
+        )
+        self.role = role
+        self.instance = instance
+        self.kind = kind
+        self.retryable = retryable
 
 
 class Dispatcher:
     def __init__(
         self,
         settings: Settings,
-        table: RegistryTable,
-        planner: Planner,
+        rotation: Rotation,
         upstream: Upstream,
         metrics: Metrics,
         tracing: Tracing,
-        clock: Callable[[], float] = time.monotonic,
         new_uid: Callable[[], str] = lambda: os.urandom(16).hex(),
+        unit_random: Callable[[], float] = random.random,
     ) -> None:
         self._settings = settings
-        self._table = table
-        self._planner = planner
+        self._rotation = rotation
         self._upstream = upstream
         self._metrics = metrics
         self._tracing = tracing
-        self._clock = clock
         self._new_uid = new_uid
+        self._unit_random = unit_random
+        self._retry = RetryPolicy(
+            settings.max_attempts,
+            settings.retry_backoff_base_seconds,
+            settings.retry_backoff_max_seconds,
+        )
         self._retry_after = ((b"retry-after", str(settings.retry_after_seconds).encode()),)
         # Prefix windows are hashed only for the policy that reads them.
         uses_prefixes = settings.prefill_policy == "prefix_affinity"
         self._prefix_tokens = settings.prefix_affinity_tokens if uses_prefixes else 0
         key = settings.upstream_api_key
         self._upstream_auth = None if key is None else f"Bearer {key.get_secret_value()}"
+        # A client's key for pdproxy is pdproxy's secret: never passed on to the instances.
+        self._forward_client_auth = not settings.api_key and settings.api_key_file is None
 
     def features(self, request: CompletionRequest) -> RequestFeatures:
         return request_features(request.payload, request.model, request.chat, self._prefix_tokens)
 
-    def choose(self, snapshot: Snapshot, features: RequestFeatures) -> Pair:
-        choice = self._planner.plan(snapshot, features)
-        if isinstance(choice, NoPair):
-            self._metrics.unpaired.labels(choice.kind.value).inc()
-            raise ProxyError(503, choice.reason, code="no_instance", headers=self._retry_after)
-        return choice
-
     def leg_headers(self, request_id: str, authorization: str | None) -> dict[str, str]:
         headers = {"Content-Type": "application/json", "X-Request-Id": request_id}
-        auth = self._upstream_auth or authorization
+        auth = self._upstream_auth or (authorization if self._forward_client_auth else None)
         if auth:
             headers["Authorization"] = auth
         return headers
@@ -102,16 +127,60 @@ class Dispatcher:
         trace: RequestTrace,
     ) -> None:
         features = self.features(request)
-        snapshot = self._table.snapshot(self._clock())
+        failed: set[str] = set()  # instances that failed this request: passed over if possible
+        failures = 0
+        last: LegFailed | None = None
+        while True:
+            try:
+                await self._attempt(
+                    request, features, exchange, authorization, trace, frozenset(failed)
+                )
+                return
+            except LegFailed as failure:
+                last = failure
+                if not failure.retryable or exchange.started:
+                    raise
+                failed.add(failure.instance)
+                failures += 1
+                remaining = exchange.deadline - asyncio.get_running_loop().time()
+                delay = self._retry.next_delay(failures, self._unit_random(), remaining)
+                if delay is None:
+                    raise
+                self._metrics.retries.labels(failure.role, failure.kind).inc()
+                log.info(
+                    "retrying in %.0f ms after %s (attempt %d of %d)",
+                    delay * 1000,
+                    failure.message,
+                    failures + 1,
+                    self._settings.max_attempts,
+                )
+                exchange.notes.attempts = failures + 1
+                await asyncio.sleep(delay)
+            except ProxyError as refusal:
+                # Nothing left to retry on (the failures ejected the last instances): the
+                # client hears what actually went wrong, not just that nothing is left.
+                if last is not None and refusal.code == "no_instance":
+                    raise last from None
+                raise
+
+    async def _attempt(
+        self,
+        request: CompletionRequest,
+        features: RequestFeatures,
+        exchange: Exchange,
+        authorization: str | None,
+        trace: RequestTrace,
+        avoid: frozenset[str],
+    ) -> None:
+        """One try with one pair (or one decode instance, for a short prompt)."""
         if features.prompt_tokens < self._settings.disagg_min_tokens:
-            direct = self._planner.plan_direct(snapshot, features)
+            direct = self._rotation.choose_direct(features, avoid)
             if direct is not None:
                 await self._serve_direct(direct, request, exchange, authorization, trace)
                 return
         notes = exchange.notes
-        pair = self.choose(snapshot, features)
+        pair = await self._rotation.choose(features, avoid)
         notes.prefill, notes.decode = pair.prefill.name, pair.decode.name
-        release = self._planner.release
         prefill_held = True
         try:
             request_id = build_request_id(
@@ -124,7 +193,7 @@ class Dispatcher:
                 answer = await self._prefill(
                     pair.prefill, request, headers | span, with_params, notes
                 )
-            release(pair.prefill.http_address, pair.prefill_tokens)
+            self._rotation.release(pair.prefill.http_address, pair.prefill_tokens)
             prefill_held = False
             if answer.status >= 400:
                 # vLLM refused the request (4xx): the client gets vLLM's own words.
@@ -136,8 +205,8 @@ class Dispatcher:
                 await self._decode(pair.decode, body, request, headers | span, exchange)
         finally:
             if prefill_held:
-                release(pair.prefill.http_address, pair.prefill_tokens)
-            release(pair.decode.http_address, pair.decode_tokens)
+                self._rotation.release(pair.prefill.http_address, pair.prefill_tokens)
+            self._rotation.release(pair.decode.http_address, pair.decode_tokens)
 
     async def _serve_direct(
         self,
@@ -156,7 +225,7 @@ class Dispatcher:
             with trace.leg(DECODE, direct.decode.name) as span:
                 await self._decode(direct.decode, request.body, request, headers | span, exchange)
         finally:
-            self._planner.release(direct.decode.http_address, direct.decode_tokens)
+            self._rotation.release(direct.decode.http_address, direct.decode_tokens)
 
     def _kv_params(self, prefill: Instance, answer: Reply) -> dict[str, Any]:
         params = params_from_answer(answer.body)
@@ -195,6 +264,7 @@ class Dispatcher:
         notes.prefill_seconds = time.perf_counter() - started
         self._metrics.prefill_duration.observe(notes.prefill_seconds)
         if 200 <= reply.status < 300 or 400 <= reply.status < 500:
+            self._answered_well(PREFILL, instance)
             return reply
         raise self._leg_failed(
             PREFILL, instance, _status_kind(reply.status), _answered(reply.status, reply.body)
@@ -225,6 +295,7 @@ class Dispatcher:
                     if not 200 <= stream.status < 300:
                         body = await stream.read_all(settings.max_response_bytes)
                         if 400 <= stream.status < 500:
+                            self._answered_well(DECODE, instance)
                             await exchange.whole(stream.status, stream.content_type.encode(), body)
                             return
                         raise self._leg_failed(
@@ -234,12 +305,17 @@ class Dispatcher:
                             _answered(stream.status, body),
                         )
                     if not request.stream:
+                        # vLLM sends a whole answer's headers once it is ready: from here on a
+                        # retry would compute it twice.
+                        wait.answered = True
                         body = await stream.read_all(settings.max_response_bytes)
                         self._first_byte(exchange, started)
                         deadline.reschedule(None)
+                        self._answered_well(DECODE, instance)
                         await exchange.whole(stream.status, stream.content_type.encode(), body)
                         return
                     chunk = await stream.next_chunk()
+                    wait.answered = bool(chunk)
                     self._first_byte(exchange, started)
                     deadline.reschedule(None)
                     await exchange.start_stream(stream.status, stream.content_type.encode())
@@ -251,6 +327,7 @@ class Dispatcher:
                         deadline.reschedule(loop.time() + wait.limit)
                         chunk = await stream.next_chunk()
                         deadline.reschedule(None)
+                    self._answered_well(DECODE, instance)
                     await exchange.end_stream()
 
     def _first_byte(self, exchange: Exchange, started: float) -> None:
@@ -267,22 +344,31 @@ class Dispatcher:
             yield wait
         except TimeoutError:
             raise self._leg_failed(
-                role, instance, "timeout", f"no {wait.what} within {wait.limit:g}s"
+                role, instance, "timeout", f"no {wait.what} within {wait.limit:g}s", wait.answered
             ) from None
         except UpstreamError as exc:
-            raise self._leg_failed(role, instance, exc.kind, exc.detail) from None
+            raise self._leg_failed(role, instance, exc.kind, exc.detail, wait.answered) from None
         finally:
             self._metrics.leg_finished(role, instance.name)
 
-    def _leg_failed(self, role: str, instance: Instance, kind: str, detail: str) -> ProxyError:
+    def _answered_well(self, role: str, instance: Instance) -> None:
+        self._rotation.succeeded(role, instance)
+
+    def _leg_failed(
+        self, role: str, instance: Instance, kind: str, detail: str, answered: bool = False
+    ) -> ProxyError:
         self._metrics.upstream_errors.labels(role, kind).inc()
         if kind == "saturated":
             return ProxyError(
                 503, f"pdproxy is saturated: {detail}", code="saturated", headers=self._retry_after
             )
-        return ProxyError(
+        if counts_against_instance(kind):
+            self._rotation.failed(role, instance)
+        error = ProxyError(
             502, f"{role} instance {instance.name} failed: {detail}", code=f"{role}_{kind}"
         )
+        retryable = is_retryable(kind) and not answered
+        return LegFailed(error, role, instance.name, kind, retryable)
 
 
 def _status_kind(status: int) -> str:

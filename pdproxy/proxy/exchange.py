@@ -46,6 +46,7 @@ class RequestNotes:
     prefill_seconds: float | None = None
     decode_first_byte_seconds: float | None = None
     error: str | None = None  # the error code the client got
+    attempts: int = 1
     trace_id: str | None = None
 
 
@@ -67,6 +68,7 @@ class Exchange:
         self.client_gone = False
         self.body_read = False
         self.request_id = ""  # the tagged id, once a pair was chosen (for logs)
+        self.deadline = float("inf")  # event-loop time by which the whole request must end
         self.notes = RequestNotes()
         self._streaming = False
         self._watcher: asyncio.Task[None] | None = None

@@ -5,28 +5,33 @@ from __future__ import annotations
 
 import asyncio
 import logging
-from typing import TYPE_CHECKING, Any
+from dataclasses import dataclass
+from typing import TYPE_CHECKING, Any, Literal
 
 import orjson
 from fastapi import FastAPI, Request
 from fastapi.responses import Response
+from pydantic import BaseModel, ConfigDict, Field, ValidationError
 from starlette.exceptions import HTTPException as StarletteHTTPException
 
+from pdproxy.ids import Address, AddressError, parse_address
 from pdproxy.metrics import CONTENT_TYPE
 from pdproxy.pairing.listing import pairs_report
 from pdproxy.pairing.planner import readiness
 from pdproxy.proxy.errors import error_body
+from pdproxy.proxy.openapi import openapi_document
 from pdproxy.proxy.upstream import UpstreamError
-from pdproxy.registry.messages import Role
-from pdproxy.registry.table import Entry
+from pdproxy.registry.messages import Rejected, Role
+from pdproxy.registry.table import Entry, Instance, Source
 
 if TYPE_CHECKING:
-    from pdproxy.proxy.app import PdproxyApp
+    from pdproxy.proxy.app import AppState, PdproxyApp
 
 log = logging.getLogger("pdproxy.routes")
 
 _MODELS_LIMIT = 1024 * 1024
 _MODELS_TRIES = 3
+_ADMIN_BODY_LIMIT = 16 * 1024
 
 
 def _json(payload: Any, status: int = 200, headers: dict[str, str] | None = None) -> Response:
@@ -45,7 +50,12 @@ def install_routes(api: FastAPI, app: PdproxyApp) -> None:
     @api.get("/ready")
     async def ready() -> Response:
         state = app.state
-        verdict = readiness(state.planner.index(state.table.snapshot()))
+        if state.admission.draining:
+            return _json({"status": "not_ready", "reason": "draining: shutting down"}, 503)
+        # Ejected and drained instances do not count: a fleet whose every pair is ejected
+        # is not ready, even though its instances are registered.
+        out_of_rotation = state.rotation.out_of_rotation(state.clock())
+        verdict = readiness(state.planner.survey(state.table.snapshot(), out_of_rotation))
         # Orphans (instances no counterpart can exchange KV with) are named even when ready:
         # part of the fleet is idle and an operator should know why.
         orphans = {"orphans": list(verdict.orphans)} if verdict.orphans else {}
@@ -56,7 +66,13 @@ def install_routes(api: FastAPI, app: PdproxyApp) -> None:
     @api.get("/v1/instances/pairs")
     async def pairs() -> Response:
         state = app.state
-        return _json({"prefills": pairs_report(state.planner.index(state.table.snapshot()))})
+        return _json({"prefills": pairs_report(state.planner.survey(state.table.snapshot()))})
+
+    document = orjson.dumps(openapi_document())
+
+    @api.get("/openapi.json")
+    async def openapi() -> Response:
+        return Response(document, media_type="application/json")
 
     @api.get("/metrics")
     async def metrics() -> Response:
@@ -70,9 +86,53 @@ def install_routes(api: FastAPI, app: PdproxyApp) -> None:
         return _json(
             {
                 "ttl_seconds": state.table.ttl,
-                "instances": [_describe(entry, now) for entry in entries],
+                "instances": [_describe(entry, now, state) for entry in entries],
             }
         )
+
+    @api.post("/v1/instances")
+    async def register(request: Request) -> Response:
+        state = app.state
+        _require_admin(app, request)
+        spec = await _registration(request)
+        instance = Instance(
+            spec.role, spec.http_address, spec.zmq_address, Source.STATIC, model=spec.model
+        )
+        try:
+            state.registry.add_static(instance)
+        except Rejected as exc:
+            return _error(409, f"not registered: {exc}")
+        return _json({"registered": instance.name}, 201)
+
+    @api.delete("/v1/instances/{name}")
+    async def deregister(name: str, request: Request) -> Response:
+        state = app.state
+        _require_admin(app, request)
+        address = _address(name)
+        if not state.registry.remove(address):
+            return _error(404, f"no instance {name} is registered")
+        state.rotation.drained -= {name}
+        return _json({"removed": name})
+
+    @api.post("/v1/instances/{name}/drain")
+    async def drain(name: str, request: Request) -> Response:
+        state = app.state
+        _require_admin(app, request)
+        if not any(e.instance.name == name for e in state.table.entries()):
+            return _error(404, f"no instance {name} is registered")
+        state.rotation.drained |= {name}
+        log.info("instance %s drained by an admin: no new requests go to it", name)
+        return _json({"drained": name})
+
+    @api.delete("/v1/instances/{name}/drain")
+    async def undrain(name: str, request: Request) -> Response:
+        state = app.state
+        _require_admin(app, request)
+        if name not in state.rotation.drained:
+            return _error(404, f"instance {name} is not drained")
+        state.rotation.drained -= {name}
+        log.info("instance %s back in rotation (admin)", name)
+        return _json({"undrained": name})
 
     @api.get("/v1/models")
     async def models(request: Request) -> Response:
@@ -118,8 +178,59 @@ def _model_card(name: str) -> dict[str, Any]:
     return {"id": name, "object": "model", "created": 0, "owned_by": "pdproxy"}
 
 
-def _describe(entry: Entry, now: float) -> dict[str, Any]:
+class _Registration(BaseModel):
+    model_config = ConfigDict(extra="forbid")
+
+    role: Literal["prefill", "decode"]
+    http_address: str
+    zmq_address: str
+    model: str | None = Field(None, min_length=1, max_length=256)
+
+
+@dataclass(frozen=True, slots=True)
+class _Spec:
+    role: Role
+    http_address: Address
+    zmq_address: Address
+    model: str | None
+
+
+async def _registration(request: Request) -> _Spec:
+    body = await request.body()
+    if len(body) > _ADMIN_BODY_LIMIT:
+        raise StarletteHTTPException(413, "registration body too large")
+    try:
+        parsed = _Registration.model_validate_json(body)
+    except ValidationError as exc:
+        problems = "; ".join(
+            f"{'.'.join(str(p) for p in e['loc']) or 'body'}: {e['msg']}" for e in exc.errors()
+        )
+        raise StarletteHTTPException(400, f"invalid registration: {problems}") from None
+    role = Role.PREFILL if parsed.role == "prefill" else Role.DECODE
+    return _Spec(role, _address(parsed.http_address), _address(parsed.zmq_address), parsed.model)
+
+
+def _address(text: str) -> Address:
+    try:
+        return parse_address(text)
+    except AddressError as exc:
+        raise StarletteHTTPException(400, f"bad address {text[:100]!r}: {exc}") from None
+
+
+def _require_admin(app: PdproxyApp, request: Request) -> None:
+    credentials = app.credentials
+    if not credentials.admin_enabled:
+        raise StarletteHTTPException(403, "admin endpoints are disabled: no admin token is set")
+    if not credentials.admin_allowed(request.headers.get("authorization")):
+        raise StarletteHTTPException(
+            401, "the admin token is required", {"WWW-Authenticate": 'Bearer realm="pdproxy"'}
+        )
+
+
+def _describe(entry: Entry, now: float, state: AppState) -> dict[str, Any]:
     instance = entry.instance
+    health = state.outliers.status(instance.name, now)
+    busy = state.planner.inflight.get(instance.http_address)
     geometry = instance.geometry
     load = instance.load
     return {
@@ -133,6 +244,12 @@ def _describe(entry: Entry, now: float) -> dict[str, Any]:
         "geometry": None if geometry is None else _fields(geometry),
         "load": None if load is None else _fields(load),
         "healthy": instance.healthy,
+        "circuit": health.circuit.value,
+        "consecutive_failures": health.consecutive_failures,
+        "ejections": health.ejections,
+        "ejected_for_seconds": round(health.ejected_for_seconds, 3),
+        "drained": instance.name in state.rotation.drained,
+        "legs_in_flight": busy.requests,
         "age_seconds": round(now - entry.first_seen, 3),
         "last_seen_seconds_ago": round(now - entry.last_seen, 3),
     }

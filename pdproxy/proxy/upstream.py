@@ -15,6 +15,7 @@ from __future__ import annotations
 
 import asyncio
 import contextlib
+import errno
 from collections import deque
 from collections.abc import AsyncIterator, Mapping
 from typing import cast
@@ -35,6 +36,9 @@ _USER_AGENT = f"pdproxy/{__version__}".encode()
 # A pooled connection the instance had already closed fails at once; a failure later than this
 # after sending may mean the instance read the request, so it is not replayed.
 _STALE_WINDOW = 0.25
+_OWN_EXHAUSTION = frozenset(
+    (errno.EMFILE, errno.ENFILE, errno.ENOBUFS, errno.ENOMEM, errno.EADDRNOTAVAIL)
+)
 
 
 class UpstreamError(Exception):
@@ -392,6 +396,12 @@ class Upstream:
                 "connect_timeout", f"no connection within {self._connect_timeout:g}s"
             ) from None
         except OSError as exc:
+            if exc.errno in _OWN_EXHAUSTION:
+                # Out of descriptors, buffers or ports: the proxy's own limit, not the
+                # instance's fault, so nobody is blamed, ejected or retried for it.
+                raise UpstreamError(
+                    "saturated", f"pdproxy cannot open a connection: {exc.strerror or exc}"
+                ) from None
             raise UpstreamError("connect", f"connection failed: {exc.strerror or exc}") from None
         return protocol
 

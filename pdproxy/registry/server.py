@@ -15,6 +15,7 @@ import zmq
 import zmq.asyncio
 
 from pdproxy.config import Settings
+from pdproxy.ids import Address
 from pdproxy.metrics import Metrics
 from pdproxy.pairing.consistency import contradiction
 from pdproxy.registry.auth import RegistryGate, Verifier, parse_cidrs
@@ -205,6 +206,24 @@ class RegistryServer:
     def _on_departed(self, instance: Instance) -> None:
         self._metrics.instance_left(instance.name)
         self.publish_counts()
+
+    def add_static(self, instance: Instance) -> None:
+        """An operator's registration (admin API); Rejected when the registry is full."""
+        known = any(e.instance.http_address == instance.http_address for e in self._table.entries())
+        self._table.add_static(instance, self._clock())
+        log.info("registry: %s %s registered by an admin", _role_name(instance), instance.name)
+        if not known:
+            self._metrics.instance_joined(instance.name)
+        self.publish_counts()
+
+    def remove(self, http_address: Address) -> bool:
+        """An operator's removal (admin API), static instances included."""
+        gone = self._table.remove(http_address, by_operator=True)
+        if gone is None:
+            return False
+        log.info("registry: %s %s removed by an admin", _role_name(gone), gone.name)
+        self._on_departed(gone)
+        return True
 
     def publish_counts(self) -> None:
         for role in Role:

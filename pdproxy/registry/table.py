@@ -189,10 +189,13 @@ class RegistryTable:
             )
         return replace(incoming, source=Source.STATIC, model=static.model or incoming.model)
 
-    def remove(self, http_address: Address) -> Instance | None:
-        """A v1 `leave`. Static instances stay: only the operator removes them."""
+    def remove(self, http_address: Address, *, by_operator: bool = False) -> Instance | None:
+        """A v1 `leave` (static instances stay: only the operator removes them), or the
+        operator's own removal."""
         if http_address in self._static:
-            return None
+            if not by_operator:
+                return None
+            self._static.discard(http_address)
         entry = self._pop(http_address)
         if entry is None:
             return None

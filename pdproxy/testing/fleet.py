@@ -78,6 +78,7 @@ class LocalFleet:
     proxy_port: int | None = None
     registry_port: int | None = None
     announce_interval: float = 0.5
+    api_key: str | None = None  # when the proxy demands client keys
     workers: list[Worker] = field(default_factory=list, init=False)
     proxy: ManagedProcess | None = field(default=None, init=False)
 
@@ -181,7 +182,8 @@ class LocalFleet:
 
     def instances(self) -> list[dict[str, Any]]:
         """What the proxy's /v1/instances lists now (nothing if it does not answer)."""
-        status, body = http_get(self.proxy_url + "/v1/instances")
+        headers = {} if self.api_key is None else {"Authorization": f"Bearer {self.api_key}"}
+        status, body = http_get(self.proxy_url + "/v1/instances", headers=headers)
         if status != 200:
             return []
         listed: list[dict[str, Any]] = json.loads(body)["instances"]

@@ -111,10 +111,14 @@ class ManagedProcess:
         return "\n".join(text.splitlines()[-lines:])
 
 
-def http_get(url: str, timeout: float = 2.0) -> tuple[int, bytes]:
+def http_get(
+    url: str, timeout: float = 2.0, headers: dict[str, str] | None = None
+) -> tuple[int, bytes]:
     """GET with a bound; (status, body), status 0 when nothing answered."""
     try:
-        with urllib.request.urlopen(url, timeout=timeout) as response:
+        with urllib.request.urlopen(
+            urllib.request.Request(url, headers=headers or {}), timeout=timeout
+        ) as response:
             return int(response.status), bytes(response.read())
     except urllib.error.HTTPError as exc:
         return exc.code, exc.read()

@@ -45,11 +45,18 @@ def example_values(name: str) -> dict[str, Any]:
 
 
 def _with_pdproxy_connector(values: dict[str, Any]) -> dict[str, Any]:
-    return {**values, "fleet": {**values["fleet"], "connector": "PdproxyConnector"}}
+    """The fleet on pdproxy's own connector, signing its announcements with a registry secret
+    (read from a file mounted into the vLLM container)."""
+    registry = {"existingSecret": "pdproxy-registry", "key": "hmac"}
+    return {
+        **values,
+        "fleet": {**values["fleet"], "connector": "PdproxyConnector"},
+        "auth": {**values.get("auth", {}), "registrySecret": registry},
+    }
 
 
 # Every values set the chart is tested with: its defaults, each example file, and the 2P2D
-# fleet on pdproxy's own connector.
+# fleet on pdproxy's own connector (with a registry secret).
 VALUE_SETS: dict[str, dict[str, Any]] = {
     "defaults": {},
     **{name: example_values(name) for name in EXAMPLES},

@@ -16,6 +16,7 @@ from prometheus_client.parser import text_string_to_metric_families
 from pdproxy.metrics import LEG_ROLES, Metrics
 from pdproxy.proxy.app import _COUNTED_PATHS, COMPLETION_PATHS
 from pdproxy.registry.messages import Role
+from pdproxy.reliability.outlier import Circuit
 from pdproxy.testing.fleet import WorkerSpec
 from tests.conftest import FleetFactory
 from tests.deploy.support import REPO
@@ -45,6 +46,8 @@ PROMQL_WORDS = {
 def exported() -> dict[str, set[str]]:
     """Every sample name the proxy can export -> its label names (from the Metrics registry)."""
     metrics = Metrics()
+    # Circuits are read from the outlier detector at scrape time: give it one to show.
+    metrics.watch_circuits(lambda: {"127.0.0.1:1": Circuit.OPEN})
     labels = {
         collector._name: set(collector._labelnames)  # the declared label names
         for collector in vars(metrics).values()
@@ -52,7 +55,10 @@ def exported() -> dict[str, set[str]]:
     }
     names: dict[str, set[str]] = {}
     for family in metrics.registry.collect():
-        declared = labels[family.name]
+        if family.name in labels:
+            declared = labels[family.name]
+        else:  # a custom collector's family: its samples say
+            declared = {k for x in family.samples for k in x.labels}
         for suffix in SUFFIXES.get(family.type, ("",)):
             names[family.name + suffix] = declared | ({"le"} if suffix == "_bucket" else set())
     return names
@@ -193,9 +199,10 @@ def test_a_live_scrape_matches_the_registry(fleet_factory: FleetFactory) -> None
     for name, labels in seen.items():
         assert name in EXPORTED, name
         assert labels == EXPORTED[name], name
-    # Everything the dashboard plots once traffic flowed is in the scrape (errors aside).
+    # Everything the dashboard plots once traffic flowed is in the scrape (failures aside:
+    # failed legs and circuits exist only once something failed).
     used = set().union(*(referenced(e)[0] for e in expressions()))
-    assert used - set(seen) <= {"pdproxy_upstream_errors_total"}
+    assert used - set(seen) <= {"pdproxy_upstream_errors_total", "pdproxy_instance_circuit"}
 
 
 def test_panels_have_unique_ids_and_do_not_overlap() -> None:

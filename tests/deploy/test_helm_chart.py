@@ -4,9 +4,12 @@ the proxy, its Services and the vLLM fleet (ports, DNS names, probes, config fil
 from __future__ import annotations
 
 import json
+import math
 import re
 import socket
-from pathlib import Path
+import time
+import typing
+from pathlib import Path, PurePosixPath
 from typing import Any
 
 import helm_python as helm
@@ -16,8 +19,13 @@ import yaml
 
 from pdproxy.config import ENV_PREFIX, Settings
 from pdproxy.proxy.app import COMPLETION_PATHS, PdproxyApp
+from pdproxy.proxy.credentials import Credentials
+from pdproxy.proxy.draining import FINAL_GRACE_SECONDS
+from pdproxy.registry.auth import Verifier, new_nonce, signed
 from pdproxy.testing.processes import http_get
+from pdproxy.worker.announce import registry_secret
 from pdproxy.worker.connector_settings import connector_settings
+from pdproxy.worker.secret import SECRET_ENV, read_secret_file
 from tests.deploy.support import (
     CHART,
     CONFIG_FILE_KEY,
@@ -43,10 +51,11 @@ from tests.deploy.support import (
 SCHEMA: dict[str, Any] = json.loads((CHART / "values.schema.json").read_text(encoding="utf-8"))
 DEFAULT_VALUES: dict[str, Any] = yaml.safe_load((CHART / "values.yaml").read_text("utf-8"))
 # Settings the chart sets itself rather than through `config`: the listening addresses (the
-# Services and probes point at them) and the upstream key and registry secret (a Secret, never a
-# ConfigMap; the registry secret through extraEnv until the chart's fleet can sign).
-CHART_OWNED = {"host", "port", "registry_bind"}
-FROM_SECRET = {"upstream_api_key", "registry_secret"}
+# Services and probes point at them) and the paths of the Secret files it mounts; and the
+# settings that hold secrets, which come from Secrets (env or mounted files), never a ConfigMap.
+SECRET_FILE_SETTINGS = {"api_key_file": "clientApiKeys", "admin_token_file": "adminToken"}
+CHART_OWNED = {"host", "port", "registry_bind", *SECRET_FILE_SETTINGS}
+FROM_SECRET = {"upstream_api_key", "registry_secret", "api_key", "admin_token"}
 # Objects with no schema in kubernetes-validate (a CRD); checked field by field below instead.
 CUSTOM_KINDS = {("monitoring.coreos.com/v1", "ServiceMonitor")}
 OLDEST_KUBERNETES = "1.25"  # Chart.yaml's kubeVersion
@@ -59,7 +68,8 @@ ANNOUNCE_FLAGS = {
     "--connector",
     "--metrics-url",
 }
-FAKE_SECRET = "test-upstream-key"
+# After the drain: uvicorn's last grace, then the registry and upstream connections close.
+SHUTDOWN_MARGIN_SECONDS = 5
 
 VALUE_SET_IDS = sorted(VALUE_SETS)
 
@@ -142,12 +152,70 @@ def test_all_on_example_sets_every_config_key() -> None:
     assert set(VALUE_SETS["all-on"]["config"]) == set(SCHEMA["properties"]["config"]["properties"])
 
 
+BOUND_KEYWORDS = {
+    "ge": "minimum",
+    "gt": "exclusiveMinimum",
+    "le": "maximum",
+    "lt": "exclusiveMaximum",
+}
+JSON_TYPES = {int: "integer", float: "number", bool: "boolean", str: "string"}
+
+
+def test_config_schema_mirrors_the_settings_constraints() -> None:
+    """Each `config` key has its Settings field's type and exactly its bounds, so Helm refuses
+    an out-of-range value before the proxy would refuse to start with it."""
+    for name, node in SCHEMA["properties"]["config"]["properties"].items():
+        field = Settings.model_fields[name]
+        bounds = {}
+        for constraint in field.metadata:
+            for attribute, keyword in BOUND_KEYWORDS.items():
+                value = getattr(constraint, attribute, None)
+                if value is not None:
+                    bounds[keyword] = value
+        declared = {k: node[k] for k in BOUND_KEYWORDS.values() if k in node}
+        assert declared == bounds, name
+        annotation = field.annotation
+        if typing.get_origin(annotation) is typing.Literal:
+            assert set(node["enum"]) == set(typing.get_args(annotation)), name
+        elif annotation in JSON_TYPES:
+            assert node["type"] == JSON_TYPES[annotation], name
+        else:
+            assert typing.get_origin(annotation) is list and node["type"] == "array", name
+        assert node.get("description") or field.description, name
+
+
+def test_all_on_example_moves_every_config_key_off_its_default() -> None:
+    """So a key the chart dropped or renamed cannot pass unnoticed as the proxy's default."""
+    config = VALUE_SETS["all-on"]["config"]
+    unchanged = {
+        name
+        for name, value in config.items()
+        if value == Settings.model_fields[name].get_default(call_default_factory=True)
+    }
+    assert unchanged == {"prefill", "decode"}  # listed empty: the fleet announces instead
+
+
 @pytest.mark.parametrize(
     ("values", "complaint"),
     [
         ({"config": {"not_a_setting": 1}}, "not_a_setting"),
         ({"config": {"port": 9000}}, "'port' not allowed"),
         ({"config": {"upstream_api_key": "in-a-configmap"}}, "upstream_api_key"),
+        ({"config": {"api_key": ["in-a-configmap"]}}, "'api_key' not allowed"),
+        ({"config": {"admin_token": "in-a-configmap"}}, "'admin_token' not allowed"),
+        ({"config": {"registry_secret": "in-a-configmap-1234"}}, "'registry_secret' not allowed"),
+        ({"config": {"api_key_file": "/etc/keys"}}, "'api_key_file' not allowed"),
+        ({"config": {"admin_token_file": "/etc/token"}}, "'admin_token_file' not allowed"),
+        ({"config": {"max_attempts": 11}}, "/config/max_attempts"),
+        ({"config": {"retry_backoff_base_seconds": -1}}, "/config/retry_backoff_base_seconds"),
+        ({"config": {"outlier_max_ejection_percent": 101}}, "/config/outlier_max_ejection_percent"),
+        ({"config": {"queue_timeout": 0}}, "/config/queue_timeout"),
+        ({"config": {"open_paths": ["health"]}}, "/config/open_paths/0"),
+        ({"config": {"open_paths": ["/health,/ready"]}}, "/config/open_paths/0"),
+        ({"auth": {"adminToken": {"existingSecret": "admin", "key": "a/b"}}}, "/auth/adminToken"),
+        ({"auth": {"adminToken": {"existingSecret": "a", "token": "t"}}}, "'token' not allowed"),
+        ({"auth": {"hmac": {"existingSecret": "a", "key": "k"}}}, "'hmac' not allowed"),
+        ({"terminationGracePeriodSeconds": 0}, "/terminationGracePeriodSeconds"),
         ({"config": {"log_level": "verbose"}}, "/config/log_level"),
         ({"config": {"ttl": 0}}, "/config/ttl"),
         ({"config": {"prefill": ["10.0.0.1:8000"]}}, "/config/prefill/0"),
@@ -157,7 +225,6 @@ def test_all_on_example_sets_every_config_key() -> None:
         ({"fleet": {"enabled": True}}, "/fleet/model"),
         ({"fleet": {"connector": "NixlConnector"}}, "/fleet/connector"),
         ({"podDisruptionBudget": {"maxUnavailable": "10"}}, "/podDisruptionBudget/maxUnavailable"),
-        ({"auth": {"adminToken": {"existingSecret": "admin"}}}, "'auth' not allowed"),
         (
             {"fleet": {"connector": "PdproxyConnector", "announce": {"enabled": True}}},
             "/fleet/announce/enabled",
@@ -177,6 +244,9 @@ def test_values_violating_the_schema_are_refused(
     assert any(complaint in error for error in report["errors"]), report
 
 
+CLIENT_KEYS = {"existingSecret": "client-keys", "key": "keys"}
+
+
 @pytest.mark.parametrize(
     ("values", "complaint"),
     [
@@ -185,6 +255,34 @@ def test_values_violating_the_schema_are_refused(
             "P2pNcclConnector supports symmetric tensor parallelism only",
         ),
         ({"autoscaling": {"enabled": True, "minReplicas": 5, "maxReplicas": 2}}, "minReplicas"),
+        (
+            {"terminationGracePeriodSeconds": 30},
+            "terminationGracePeriodSeconds (30) must be larger than config.drain_seconds (30)",
+        ),
+        (
+            {"terminationGracePeriodSeconds": 60, "config": {"drain_seconds": 75}},
+            "must be larger than config.drain_seconds",
+        ),
+        (
+            {"auth": {"clientApiKeys": CLIENT_KEYS}, "config": {"open_paths": ["/metrics"]}},
+            "config.open_paths must include /health",
+        ),
+        (
+            {"auth": {"clientApiKeys": CLIENT_KEYS}, "config": {"open_paths": []}},
+            "config.open_paths must include /health",
+        ),
+        (
+            {
+                "auth": {"clientApiKeys": CLIENT_KEYS},
+                "config": {"open_paths": ["/health", "/ready"]},
+                "serviceMonitor": {"enabled": True},
+            },
+            "config.open_paths must include /metrics",
+        ),
+        (
+            {"auth": {"registrySecret": {"existingSecret": "reg", "key": "k"}}},
+            "stock vLLM sends unsigned v0 pings",
+        ),
     ],
 )
 def test_inconsistent_values_fail_rendering(values: dict[str, Any], complaint: str) -> None:
@@ -258,31 +356,90 @@ def test_rendered_objects_are_namespaced_and_unique(rendered: Rendered) -> None:
 # ---- the proxy: config file, command, secrets ----------------------------------------------
 
 
-def _proxy_environ(rendered: Rendered) -> dict[str, str]:
-    """The proxy container's environment as the kubelet would build it (Secrets faked)."""
-    spec = container(rendered.proxy_deployment, "pdproxy")
+def _fake_secret(secret: str, key: str) -> str:
+    """What the test pretends Secret `secret` holds under `key`: distinct per Secret and key,
+    so a reference to the wrong Secret shows, and long enough for a registry secret."""
+    return f"fake-{secret}-{key}-0123456789"
+
+
+def _environ(spec: dict[str, Any]) -> dict[str, str]:
+    """A container's environment as the kubelet would build it (Secrets faked)."""
     environ: dict[str, str] = {}
     for item in spec.get("env", []):
         if "value" in item:
             environ[item["name"]] = item["value"]
+        elif "secretKeyRef" in item["valueFrom"]:
+            ref = item["valueFrom"]["secretKeyRef"]
+            environ[item["name"]] = _fake_secret(ref["name"], ref["key"])
         else:
-            assert "secretKeyRef" in item["valueFrom"], item
-            environ[item["name"]] = FAKE_SECRET
+            assert "fieldRef" in item["valueFrom"], item
+            environ[item["name"]] = "10.1.2.3"
     return environ
 
 
-def _mounted_command(rendered: Rendered, mount_dir: Path) -> list[str]:
-    """The proxy container's argv with the ConfigMap "mounted" under `mount_dir`."""
+def _proxy_environ(rendered: Rendered) -> dict[str, str]:
+    return _environ(container(rendered.proxy_deployment, "pdproxy"))
+
+
+def _on_host(root: Path, container_path: str) -> Path:
+    """Where the test puts what the container sees at `container_path`."""
+    return root / container_path.lstrip("/")
+
+
+def _secret_mounts(workload: dict[str, Any], name: str) -> list[tuple[dict[str, Any], Any]]:
+    """(volumeMount, secret volume source) of every Secret volume container `name` mounts."""
+    volumes = {v["name"]: v for v in pod_spec(workload).get("volumes", [])}
+    return [
+        (mount, volumes[mount["name"]]["secret"])
+        for mount in container(workload, name).get("volumeMounts", [])
+        if "secret" in volumes[mount["name"]]
+    ]
+
+
+def _mount_secrets(workload: dict[str, Any], name: str, root: Path) -> dict[str, Path]:
+    """Write the files of every Secret volume container `name` mounts, under `root`, as the
+    kubelet would (faked contents); {container mount path: where it is on this host}."""
+    placed = {}
+    for mount, secret in _secret_mounts(workload, name):
+        directory = _on_host(root, mount["mountPath"])
+        directory.mkdir(parents=True, exist_ok=True)
+        for item in secret["items"]:
+            text = _fake_secret(secret["secretName"], item["key"]) + "\n"
+            (directory / item["path"]).write_text(text, encoding="utf-8")
+        placed[mount["mountPath"]] = directory
+    return placed
+
+
+def _mounted_command(rendered: Rendered, root: Path) -> list[str]:
+    """The proxy container's argv with its ConfigMap and Secret volumes "mounted" under `root`:
+    the config file's paths of Secret files are moved there too, so a path that is not in a
+    mounted Secret volume stays unreadable."""
     deployment = rendered.proxy_deployment
     spec = container(deployment, "pdproxy")
     mounts = {m["name"]: m["mountPath"] for m in spec["volumeMounts"]}
     volumes = {v["name"]: v for v in pod_spec(deployment)["volumes"]}
     config_volume = next(n for n, v in volumes.items() if "configMap" in v)
     assert volumes[config_volume]["configMap"]["name"] == rendered.fullname
-    mount_dir.mkdir(parents=True, exist_ok=True)
-    (mount_dir / CONFIG_FILE_KEY).write_text(rendered.config_text, encoding="utf-8")
+    config_text = rendered.config_text
+    for mount_path, directory in _mount_secrets(deployment, "pdproxy", root).items():
+        config_text = config_text.replace(f" {mount_path}/", f" {directory}/")
+    config_dir = _on_host(root, mounts[config_volume])
+    config_dir.mkdir(parents=True, exist_ok=True)
+    (config_dir / CONFIG_FILE_KEY).write_text(config_text, encoding="utf-8")
     argv = [*spec["command"], *spec["args"]]
-    return [arg.replace(mounts[config_volume], str(mount_dir)) for arg in argv]
+    return [arg.replace(mounts[config_volume], str(config_dir)) for arg in argv]
+
+
+def _client_key(rendered: Rendered) -> str | None:
+    """A client API key the rendered proxy accepts (faked), None when it requires none."""
+    path = rendered.config.get("api_key_file")
+    if path is None:
+        return None
+    for mount, secret in _secret_mounts(rendered.proxy_deployment, "pdproxy"):
+        if PurePosixPath(mount["mountPath"]) == PurePosixPath(path).parent:
+            (item,) = [i for i in secret["items"] if i["path"] == PurePosixPath(path).name]
+            return _fake_secret(secret["secretName"], item["key"])
+    raise AssertionError(f"api_key_file {path} is in no mounted Secret volume")
 
 
 def test_config_keys_are_settings_fields(rendered: Rendered) -> None:
@@ -291,8 +448,8 @@ def test_config_keys_are_settings_fields(rendered: Rendered) -> None:
 
 def test_the_container_command_builds_settings(rendered: Rendered, tmp_path: Path) -> None:
     """Flags, env and the mounted config file go through the proxy's real CLI and Settings."""
-    argv = _mounted_command(rendered, tmp_path / "etc-pdproxy")
-    assert flag_value(argv, "--config") == str(tmp_path / "etc-pdproxy" / CONFIG_FILE_KEY)
+    argv = _mounted_command(rendered, tmp_path)
+    assert flag_value(argv, "--config") == str(tmp_path / "etc" / "pdproxy" / CONFIG_FILE_KEY)
     settings = serve_settings(argv, _proxy_environ(rendered))
     spec = container(rendered.proxy_deployment, "pdproxy")
     assert settings.port == container_port(spec, "http")
@@ -303,6 +460,8 @@ def test_the_container_command_builds_settings(rendered: Rendered, tmp_path: Pat
         assert key in Settings.model_fields
         if key in ("prefill", "decode"):
             assert len(getattr(settings, key)) == len(value)
+        elif key in SECRET_FILE_SETTINGS:  # moved to where the test mounted the Secret
+            assert str(getattr(settings, key)).endswith(value), key
         else:
             assert getattr(settings, key) == value, key
 
@@ -327,11 +486,88 @@ def test_upstream_key_comes_from_the_named_secret(name: str, tmp_path: Path) -> 
         return
     ref = env_value(spec, "PDPROXY_UPSTREAM_API_KEY")["valueFrom"]["secretKeyRef"]
     assert ref == {"name": secret, "key": values["upstreamApiKey"]["key"]}
-    argv = _mounted_command(rendered, tmp_path / "etc")
+    argv = _mounted_command(rendered, tmp_path)
     settings = serve_settings(argv, _proxy_environ(rendered))
     assert settings.upstream_api_key is not None
-    assert settings.upstream_api_key.get_secret_value() == FAKE_SECRET
+    assert settings.upstream_api_key.get_secret_value() == _fake_secret(secret, ref["key"])
     assert "upstream_api_key" not in rendered.config_text
+
+
+@pytest.mark.parametrize("name", VALUE_SET_IDS)
+def test_auth_secrets_reach_the_proxy(name: str, tmp_path: Path) -> None:
+    """Client keys and admin token: files of read-only Secret volumes whose paths the config
+    file names; the registry secret: an env var from the Secret. The proxy's own Credentials
+    and Settings read them back."""
+    values = VALUE_SETS[name]
+    auth = values.get("auth", {})
+    rendered = render(values)
+    spec = container(rendered.proxy_deployment, "pdproxy")
+    secret_mounts = _secret_mounts(rendered.proxy_deployment, "pdproxy")
+    by_dir = {m["mountPath"]: m for m in spec["volumeMounts"]}
+    for setting, value_name in SECRET_FILE_SETTINGS.items():
+        ref = auth.get(value_name, {})
+        if not ref.get("existingSecret"):
+            assert setting not in rendered.config
+            continue
+        path = PurePosixPath(rendered.config[setting])
+        mount = by_dir[str(path.parent)]
+        assert mount["readOnly"] is True
+        (secret,) = [s for m, s in secret_mounts if m == mount]
+        assert secret["secretName"] == ref["existingSecret"]
+        assert secret["items"] == [{"key": ref["key"], "path": path.name}]
+    enabled = [v for v in SECRET_FILE_SETTINGS.values() if auth.get(v, {}).get("existingSecret")]
+    assert len(secret_mounts) == len(enabled)
+
+    argv = _mounted_command(rendered, tmp_path)
+    settings = serve_settings(argv, _proxy_environ(rendered))
+    credentials = Credentials.from_settings(settings)
+    client_key = _client_key(rendered)
+    assert credentials.keys_required == (client_key is not None)
+    if client_key is not None:
+        assert credentials.client_allowed(f"Bearer {client_key}")
+        assert not credentials.client_allowed("Bearer not-the-key")
+        # The kubelet's probes and Prometheus send no key.
+        probes = [spec[p]["httpGet"]["path"] for p in ("livenessProbe", "readinessProbe")]
+        assert set(probes) <= set(settings.open_paths)
+        if rendered.all("ServiceMonitor"):
+            assert "/metrics" in settings.open_paths
+    admin = auth.get("adminToken", {})
+    assert credentials.admin_enabled == bool(admin.get("existingSecret"))
+    if admin.get("existingSecret"):
+        token = _fake_secret(admin["existingSecret"], admin["key"])
+        assert credentials.admin_allowed(f"Bearer {token}")
+        if client_key is not None:
+            assert not credentials.admin_allowed(f"Bearer {client_key}")
+
+    registry = auth.get("registrySecret", {})
+    names = [e["name"] for e in spec.get("env", [])]
+    if not registry.get("existingSecret"):
+        assert SECRET_ENV not in names and settings.registry_secret is None
+        return
+    ref = env_value(spec, SECRET_ENV)["valueFrom"]["secretKeyRef"]
+    assert ref == {"name": registry["existingSecret"], "key": registry["key"]}
+    assert settings.registry_secret is not None
+    assert settings.registry_secret.get_secret_value() == _fake_secret(ref["name"], ref["key"])
+
+
+def test_secrets_are_read_only_private_files_never_config(rendered: Rendered) -> None:
+    """Every Secret volume, in every workload, is mounted read-only, 0440 at most and readable
+    by the container's user; the chart renders no Secret and no secret setting into its
+    ConfigMap."""
+    assert rendered.all("Secret") == []
+    assert not set(rendered.config) & FROM_SECRET
+    for workload in rendered.all("Deployment"):
+        pod = pod_spec(workload)
+        for spec in pod["containers"]:
+            for mount, secret in _secret_mounts(workload, spec["name"]):
+                assert mount["readOnly"] is True, mount
+                mode = secret["defaultMode"]
+                assert mode & 0o7337 == 0, oct(mode)  # no write, execute or world bits
+                user = spec.get("securityContext", {}).get(
+                    "runAsUser", pod.get("securityContext", {}).get("runAsUser", 0)
+                )
+                if user != 0:  # root-owned files: a non-root user reads them as the fsGroup
+                    assert mode & 0o040 and pod["securityContext"].get("fsGroup") is not None
 
 
 def test_probe_paths_are_routes_of_the_proxy_app(rendered: Rendered) -> None:
@@ -350,9 +586,10 @@ def test_probe_paths_are_routes_of_the_proxy_app(rendered: Rendered) -> None:
 def test_the_rendered_proxy_serves_its_probes(name: str, tmp_path: Path) -> None:
     """`pdproxy serve` started from the rendered command and config file answers the probes."""
     rendered = render(VALUE_SETS[name])
-    argv = _mounted_command(rendered, tmp_path / "etc")
+    argv = _mounted_command(rendered, tmp_path / "root")
     spec = container(rendered.proxy_deployment, "pdproxy")
     env = _proxy_environ(rendered)
+    client_key = _client_key(rendered)
     with running_proxy(argv, env, tmp_path / "pdproxy.log") as url:
         status, _ = http_get(url + spec["livenessProbe"]["httpGet"]["path"])
         assert status == 200
@@ -364,7 +601,14 @@ def test_the_rendered_proxy_serves_its_probes(name: str, tmp_path: Path) -> None
         assert json.loads(body)["status"] == ("ready" if static else "not_ready")
         status, body = http_get(url + "/metrics")
         assert status == 200 and b"pdproxy_registry_instances" in body
-        status, body = http_get(url + "/v1/instances")
+        if client_key is not None:  # the keys come from the mounted Secret file
+            status, _ = http_get(url + "/v1/instances")
+            assert status == 401
+            status, _ = http_get(url + "/v1/instances", headers={"Authorization": "Bearer x"})
+            assert status == 401
+        headers = {} if client_key is None else {"Authorization": f"Bearer {client_key}"}
+        status, body = http_get(url + "/v1/instances", headers=headers)
+        assert status == 200, body
         listed = {i["http_address"] for i in json.loads(body)["instances"]}
         assert len(listed) == len(rendered.config.get("prefill", [])) + len(
             rendered.config.get("decode", [])
@@ -383,6 +627,35 @@ def test_proxy_pod_is_locked_down(rendered: Rendered) -> None:
     assert security["allowPrivilegeEscalation"] is False
     assert security["capabilities"]["drop"] == ["ALL"]
     assert spec["resources"]["requests"] and spec["resources"]["limits"]
+
+
+def test_termination_grace_outlasts_the_drain(rendered: Rendered, tmp_path: Path) -> None:
+    """SIGTERM drains for drain_seconds; Kubernetes must not kill the proxy before it is done."""
+    settings = serve_settings(_mounted_command(rendered, tmp_path), _proxy_environ(rendered))
+    grace = pod_spec(rendered.proxy_deployment)["terminationGracePeriodSeconds"]
+    assert isinstance(grace, int)
+    assert grace >= settings.drain_seconds + FINAL_GRACE_SECONDS + SHUTDOWN_MARGIN_SECONDS
+
+
+def test_default_grace_follows_pdproxys_drain_default() -> None:
+    """The chart assumes pdproxy's default drain_seconds when config does not set it."""
+    default = Settings.model_fields["drain_seconds"].default
+    grace = pod_spec(render({}).proxy_deployment)["terminationGracePeriodSeconds"]
+    assert grace == math.ceil(default) + 10
+
+
+@pytest.mark.parametrize(
+    ("values", "grace"),
+    [
+        ({"config": {"drain_seconds": 0}}, 10),
+        ({"config": {"drain_seconds": 12.2}}, 23),
+        ({"config": {"drain_seconds": 120}}, 130),
+        ({"terminationGracePeriodSeconds": 90}, 90),
+        ({"terminationGracePeriodSeconds": 31, "config": {"drain_seconds": 30.5}}, 31),
+    ],
+)
+def test_termination_grace_values(values: dict[str, Any], grace: int) -> None:
+    assert pod_spec(render(values).proxy_deployment)["terminationGracePeriodSeconds"] == grace
 
 
 def test_the_pod_runs_as_the_images_user() -> None:
@@ -482,9 +755,10 @@ def _env_refs_resolve(spec: dict[str, Any]) -> None:
 
 
 @pytest.mark.parametrize("name", FLEET_SETS)
-def test_fleet_announces_to_the_registry_service(name: str) -> None:
+def test_fleet_announces_to_the_registry_service(name: str, tmp_path: Path) -> None:
     values = VALUE_SETS[name]
     rendered = render(values)
+    proxy = serve_settings(_mounted_command(rendered, tmp_path / "proxy"), _proxy_environ(rendered))
     registry = rendered.registry_service
     registry_host = f"{registry['metadata']['name']}.{NAMESPACE}.svc.cluster.local"
     (registry_port,) = registry["spec"]["ports"]
@@ -532,6 +806,8 @@ def test_fleet_announces_to_the_registry_service(name: str) -> None:
             assert read.http_address == f"{ip}:{http_port}"
             assert read.zmq_address == f"{ip}:{kv['kv_port']}"
             assert read.registry == f"{registry_host}:{registry_port['port']}"
+            secret_file = extra.get("registry_secret_file")
+            assert read.registry_secret_file == (None if secret_file is None else Path(secret_file))
         else:
             assert kv["kv_connector"] == "P2pNcclConnector"
             assert set(kv) == common | {"kv_buffer_size"}
@@ -553,7 +829,69 @@ def test_fleet_announces_to_the_registry_service(name: str) -> None:
         assert names == (["vllm", "announce"] if announce_sidecar else ["vllm"])
         if announce_sidecar:
             _check_announce_sidecar(deployment, role, kv, registry_host, registry_port["port"])
+        _check_fleet_signing(deployment, values, proxy, kv, tmp_path / role)
     assert set(roles) == {"prefill", "decode"}
+
+
+def _check_fleet_signing(
+    deployment: dict[str, Any],
+    values: dict[str, Any],
+    proxy: Settings,
+    kv: dict[str, Any],
+    root: Path,
+) -> None:
+    """With auth.registrySecret, the fleet signs with the Secret the proxy verifies with: the
+    announce sidecar from its env, PdproxyConnector from a file of a mounted Secret volume
+    (named by registry_secret_file). Stock vLLM alone cannot sign: its v0 must be allowed."""
+    registry = values.get("auth", {}).get("registrySecret", {})
+    fleet = values["fleet"]
+    extra = kv["kv_connector_extra_config"]
+    containers = pod_spec(deployment)["containers"]
+    if not registry.get("existingSecret"):
+        assert proxy.registry_secret is None
+        assert "registry_secret_file" not in extra
+        assert _secret_mounts(deployment, "vllm") == []
+        assert all(SECRET_ENV not in _environ(spec) for spec in containers)
+        return
+    assert proxy.registry_secret is not None
+    verifier = Verifier(proxy.registry_secret.get_secret_value().encode())
+    signers: list[bytes] = []
+    if fleet.get("announce", {}).get("enabled", False):
+        sidecar = container(deployment, "announce")
+        ref = env_value(sidecar, SECRET_ENV)["valueFrom"]["secretKeyRef"]
+        assert ref == {"name": registry["existingSecret"], "key": registry["key"]}
+        args = parse_pdproxy([a.replace("$(POD_IP)", "10.1.2.3") for a in sidecar["command"]])
+        secret = registry_secret(args, _environ(sidecar))
+        assert secret is not None
+        signers.append(secret)
+    if kv["kv_connector"] == "PdproxyConnector":
+        path = PurePosixPath(extra["registry_secret_file"])
+        placed = _mount_secrets(deployment, "vllm", root)
+        assert str(path.parent) in placed, "registry_secret_file is in no mounted Secret volume"
+        signers.append(read_secret_file(placed[str(path.parent)] / path.name))
+    else:
+        assert "registry_secret_file" not in extra  # stock vLLM never reads it
+        assert _secret_mounts(deployment, "vllm") == []
+    if not signers:  # stock vLLM's own unsigned v0 pings
+        assert proxy.registry_allow_unsigned_v0
+    for secret in signers:
+        now = time.time()
+        message = {"v": 1, "type": "announce", "http": extra["http_port"]}
+        verifier.verify(signed(message, secret, now, new_nonce()), now)
+
+
+def test_a_signed_registry_admits_stock_vllm_only_with_unsigned_v0() -> None:
+    registry = {"existingSecret": "reg", "key": "secret"}
+    values = {
+        **VALUE_SETS["fleet-2p2d"],
+        "auth": {"registrySecret": registry},
+        "config": {"registry_allow_unsigned_v0": True},
+    }
+    rendered = render(values)
+    for deployment in rendered.fleet():
+        assert [c["name"] for c in pod_spec(deployment)["containers"]] == ["vllm"]
+        assert _secret_mounts(deployment, "vllm") == []
+    assert "announces unsigned v0" in rendered.notes
 
 
 def _check_announce_sidecar(
@@ -621,6 +959,20 @@ def test_notes_name_the_registry_and_warn_about_replicas() -> None:
     assert "WARNING" not in notes
     assert "WARNING: more than one proxy replica" in render(VALUE_SETS["all-on"]).notes
     assert "pdproxy announce" in render(VALUE_SETS["all-on"]).notes
+
+
+def test_notes_mention_auth_only_when_enabled() -> None:
+    notes = render({}).notes
+    assert "Auth" not in notes and "Bearer" not in notes
+    assert "The registry is unauthenticated" in notes
+    notes = render(VALUE_SETS["all-on"]).notes
+    assert "Client API keys: Secret pdproxy-client-keys, key keys" in notes
+    assert "everywhere but /health, /ready, /metrics, /v1/models" in notes
+    assert "Admin token: Secret pdproxy-admin, key token" in notes
+    assert "Registry secret: Secret pdproxy-registry, key secret" in notes
+    assert "The chart's fleet signs its announcements with it" in notes
+    assert 'curl -s -H "Authorization: Bearer $API_KEY"' in notes
+    assert "unauthenticated" not in notes
 
 
 def test_proxy_command_is_a_valid_serve_invocation(rendered: Rendered) -> None:

@@ -226,14 +226,15 @@ def test_upstream_error_body_is_vllms_own(fleet: LocalFleet) -> None:
 
 def test_errors_are_counted(fleet: LocalFleet) -> None:
     set_behaviour(fleet.role("P")[0], status=500)
-    before = metric_value(
-        fleet.proxy_url, "pdproxy_upstream_errors_total", {"role": "prefill", "kind": "status_5xx"}
-    )
+    errors = {"role": "prefill", "kind": "status_5xx"}
+    retries = {"role": "prefill", "reason": "status_5xx"}
+    before = metric_value(fleet.proxy_url, "pdproxy_upstream_errors_total", errors)
+    retried_before = metric_value(fleet.proxy_url, "pdproxy_retries_total", retries)
     post_json(fleet.proxy_url + "/v1/completions", GOOD)
-    after = metric_value(
-        fleet.proxy_url, "pdproxy_upstream_errors_total", {"role": "prefill", "kind": "status_5xx"}
-    )
-    assert after == before + 1
+    after = metric_value(fleet.proxy_url, "pdproxy_upstream_errors_total", errors)
+    # The only prefill failed every one of the default 3 attempts: 3 failed legs, 2 retries.
+    assert after == before + 3
+    assert metric_value(fleet.proxy_url, "pdproxy_retries_total", retries) == retried_before + 2
     assert (
         metric_value(
             fleet.proxy_url,

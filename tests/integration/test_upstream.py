@@ -3,6 +3,9 @@
 from __future__ import annotations
 
 import asyncio
+import contextlib
+import os
+import resource
 import socket
 import struct
 from collections.abc import Awaitable, Callable
@@ -218,6 +221,32 @@ def test_refused_connection() -> None:
         with pytest.raises(UpstreamError) as caught:
             await with_client(lambda c: c.post(address, "/", b"{}", HEADERS, 100))
         assert caught.value.kind == "connect"
+
+    asyncio.run(scenario())
+
+
+def test_running_out_of_descriptors_is_the_proxys_saturation_not_the_instances() -> None:
+    """EMFILE while connecting: kind `saturated` (no retry, no ejection), not `connect`."""
+
+    async def scenario() -> None:
+        async with Server(keep_alive_echo) as server:
+            soft, hard = resource.getrlimit(resource.RLIMIT_NOFILE)
+            hoard: list[socket.socket] = []
+            try:
+                resource.setrlimit(
+                    resource.RLIMIT_NOFILE, (len(os.listdir("/proc/self/fd")) + 8, hard)
+                )
+                with contextlib.suppress(OSError):
+                    while True:
+                        hoard.append(socket.socket())
+                with pytest.raises(UpstreamError) as caught:
+                    await with_client(lambda c: c.post(server.address, "/", b"{}", HEADERS, 100))
+            finally:
+                for held in hoard:
+                    held.close()
+                resource.setrlimit(resource.RLIMIT_NOFILE, (soft, hard))
+        assert caught.value.kind == "saturated", caught.value.detail
+        assert "pdproxy cannot open a connection" in caught.value.detail
 
     asyncio.run(scenario())
 

@@ -52,6 +52,8 @@ def yaml_file(tmp_path: Path, text: str, name: str = "pdproxy.yaml") -> str:
 
 def value(settings: Settings, name: str) -> Any:
     item = getattr(settings, name)
+    if isinstance(item, list):
+        return [x.get_secret_value() if isinstance(x, SecretStr) else x for x in item]
     return item.get_secret_value() if isinstance(item, SecretStr) else item
 
 
@@ -82,6 +84,7 @@ SAMPLES: dict[str, tuple[str, Any]] = {
     "request_timeout": ("14", 14.0),
     "retry_after_seconds": ("3", 3),
     "upstream_max_connections": ("16", 16),
+    "backlog": ("512", 512),
     "log_level": ("debug", "debug"),
     "log_format": ("json", "json"),
     "otel_exporter": ("console", "console"),
@@ -92,6 +95,25 @@ SAMPLES: dict[str, tuple[str, Any]] = {
     "decode_kv_capacity_tokens": ("1000", 1000),
     "allow_unknown_geometry": ("true", True),
     "disagg_min_tokens": ("32", 32),
+    "max_attempts": ("5", 5),
+    "retry_backoff_base_seconds": ("0.01", 0.01),
+    "retry_backoff_max_seconds": ("2.5", 2.5),
+    "outlier_consecutive_failures": ("3", 3),
+    "outlier_base_ejection_seconds": ("1.5", 1.5),
+    "outlier_max_ejection_seconds": ("60", 60.0),
+    "outlier_max_ejection_percent": ("100", 100),
+    "health_check_interval": ("2.5", 2.5),
+    "health_check_timeout": ("0.5", 0.5),
+    "max_inflight_requests": ("64", 64),
+    "max_queued_requests": ("8", 8),
+    "queue_timeout": ("1.5", 1.5),
+    "instance_max_inflight": ("4", 4),
+    "drain_seconds": ("7.5", 7.5),
+    "api_key": ("sk-one", ["sk-one"]),
+    "api_key_file": ("/etc/pdproxy/keys", Path("/etc/pdproxy/keys")),
+    "open_paths": ("/health", ["/health"]),
+    "admin_token": ("admin-token-1", "admin-token-1"),
+    "admin_token_file": ("/etc/pdproxy/admin", Path("/etc/pdproxy/admin")),
 }
 
 
@@ -137,6 +159,12 @@ def test_defaults() -> None:
     assert settings.decode_policy == "least_kv"
     assert settings.allow_unknown_geometry is False
     assert settings.disagg_min_tokens == 0
+    assert settings.max_attempts == 3
+    assert settings.outlier_consecutive_failures == 5
+    assert settings.max_inflight_requests == 10000
+    assert settings.instance_max_inflight == 0
+    assert settings.api_key == [] and settings.admin_token is None
+    assert settings.open_paths == ["/health", "/ready", "/metrics"]
 
 
 def test_a_bare_boolean_flag_means_true() -> None:
@@ -505,3 +533,14 @@ def test_yaml_file_not_utf8(tmp_path: Path) -> None:
     path = tmp_path / "latin1.yaml"
     path.write_bytes(b"host: caf\xe9\n")
     assert str(path) in config_error(["--config", str(path)])
+
+
+def test_secrets_lose_the_newline_a_mounted_secret_file_ends_with() -> None:
+    environ = {
+        "PDPROXY_REGISTRY_SECRET": "0123456789abcdef-test\n",
+        "PDPROXY_ADMIN_TOKEN": " admin-token-1\n",
+    }
+    settings = load_settings(None, environ=environ)
+    assert settings.registry_secret is not None and settings.admin_token is not None
+    assert settings.registry_secret.get_secret_value() == "0123456789abcdef-test"
+    assert settings.admin_token.get_secret_value() == "admin-token-1"

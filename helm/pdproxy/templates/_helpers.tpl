@@ -86,7 +86,111 @@ Services and probes point at them.
 */}}
 {{- define "pdproxy.configFile" -}}
 {{- $owned := dict "host" "0.0.0.0" "port" (int .Values.ports.http) "registry_bind" (printf "tcp://0.0.0.0:%d" (int .Values.ports.registry)) }}
+{{- if .Values.auth.clientApiKeys.existingSecret }}
+{{- $_ := set $owned "api_key_file" (include "pdproxy.secretFile" "client-api-keys") }}
+{{- end }}
+{{- if .Values.auth.adminToken.existingSecret }}
+{{- $_ := set $owned "admin_token_file" (include "pdproxy.secretFile" "admin-token") }}
+{{- end }}
 {{- toYaml (merge $owned (deepCopy .Values.config)) }}
+{{- end }}
+
+{{/* Secrets mounted as files --------------------------------------------------------------- */}}
+
+{{/*
+Each mounted Secret is a volume named after what it holds ("client-api-keys", "admin-token",
+"registry-secret"), mounted read-only at <secretsDir>/<name>, holding one file: the file name the
+proxy or connector is given. Call secretMountPath / secretFile with that name.
+*/}}
+{{- define "pdproxy.secretsDir" -}}/var/run/secrets/pdproxy{{- end }}
+
+{{- define "pdproxy.secretFileName" -}}
+{{- get (dict "client-api-keys" "keys" "admin-token" "token" "registry-secret" "secret") . }}
+{{- end }}
+
+{{- define "pdproxy.secretMountPath" -}}
+{{- printf "%s/%s" (include "pdproxy.secretsDir" .) . }}
+{{- end }}
+
+{{- define "pdproxy.secretFile" -}}
+{{- printf "%s/%s" (include "pdproxy.secretMountPath" .) (include "pdproxy.secretFileName" .) }}
+{{- end }}
+
+{{/*
+The volume of one Secret key: call with (list NAME SECRETREF), SECRETREF an {existingSecret, key}
+value. Mode 0440 (288): owned by root and the pod's fsGroup, which lets the non-root user read
+it; never world-readable.
+*/}}
+{{- define "pdproxy.secretVolume" -}}
+{{- $name := index . 0 }}
+{{- $ref := index . 1 }}
+- name: {{ $name }}
+  secret:
+    secretName: {{ $ref.existingSecret | quote }}
+    defaultMode: 288
+    items:
+      - key: {{ $ref.key | quote }}
+        path: {{ include "pdproxy.secretFileName" $name }}
+{{- end }}
+
+{{/* The read-only mount of a volume made by pdproxy.secretVolume: call with its NAME. */}}
+{{- define "pdproxy.secretMount" -}}
+- name: {{ . }}
+  mountPath: {{ include "pdproxy.secretMountPath" . }}
+  readOnly: true
+{{- end }}
+
+{{/* The env var a registry secret is passed in (proxy and announce sidecar). */}}
+{{- define "pdproxy.registrySecretEnv" -}}
+- name: PDPROXY_REGISTRY_SECRET
+  valueFrom:
+    secretKeyRef:
+      name: {{ .Values.auth.registrySecret.existingSecret | quote }}
+      key: {{ .Values.auth.registrySecret.key | quote }}
+{{- end }}
+
+{{/* Shutdown ------------------------------------------------------------------------------ */}}
+
+{{/*
+terminationGracePeriodSeconds: on SIGTERM the proxy drains for config.drain_seconds (pdproxy's
+default 30), then stops its registry and upstream connections and exits 0. The grace period is
+that rounded up plus 10 seconds, or the value given, which must be larger than drain_seconds.
+*/}}
+{{- define "pdproxy.terminationGracePeriodSeconds" -}}
+{{- $drain := 30.0 }}
+{{- if hasKey .Values.config "drain_seconds" }}
+{{- $drain = float64 .Values.config.drain_seconds }}
+{{- end }}
+{{- $grace := .Values.terminationGracePeriodSeconds }}
+{{- if kindIs "invalid" $grace }}
+{{- add (int (ceil $drain)) 10 }}
+{{- else if le (float64 $grace) $drain }}
+{{- fail (printf "terminationGracePeriodSeconds (%v) must be larger than config.drain_seconds (%v): Kubernetes would kill the proxy while it drains" $grace $drain) }}
+{{- else }}
+{{- int $grace }}
+{{- end }}
+{{- end }}
+
+{{/* Consistency checks the schema cannot express; included by the proxy Deployment. */}}
+{{- define "pdproxy.checkAuth" -}}
+{{- if .Values.auth.clientApiKeys.existingSecret }}
+{{- $open := list "/health" "/ready" "/metrics" }}
+{{- if hasKey .Values.config "open_paths" }}
+{{- $open = .Values.config.open_paths }}
+{{- end }}
+{{- range $path := list "/health" "/ready" }}
+{{- if not (has $path $open) }}
+{{- fail (printf "config.open_paths must include %s: the kubelet's probes send no API key" $path) }}
+{{- end }}
+{{- end }}
+{{- if and .Values.serviceMonitor.enabled (not (has "/metrics" $open)) }}
+{{- fail "config.open_paths must include /metrics: the ServiceMonitor's scrapes send no API key" }}
+{{- end }}
+{{- end }}
+{{- $fleet := .Values.fleet }}
+{{- if and .Values.auth.registrySecret.existingSecret $fleet.enabled (eq $fleet.connector "P2pNcclConnector") (not $fleet.announce.enabled) (not .Values.config.registry_allow_unsigned_v0) }}
+{{- fail "auth.registrySecret with a P2pNcclConnector fleet: stock vLLM sends unsigned v0 pings, which the registry would refuse; enable fleet.announce (which signs) or set config.registry_allow_unsigned_v0" }}
+{{- end }}
 {{- end }}
 
 {{/* The fleet -------------------------------------------------------------------------- */}}
@@ -115,6 +219,9 @@ kv_buffer_size is sent to P2pNcclConnector only, which reads it.
 {{- $fleet := $root.Values.fleet }}
 {{- $spec := index $fleet $role }}
 {{- $extra := dict "http_port" (toString $fleet.httpPort) "kv_ip" "$(POD_IP)" }}
+{{- if and (eq $fleet.connector "PdproxyConnector") $root.Values.auth.registrySecret.existingSecret }}
+{{- $_ := set $extra "registry_secret_file" (include "pdproxy.secretFile" "registry-secret") }}
+{{- end }}
 {{- if not $fleet.announce.enabled }}
 {{- $_ := set $extra "proxy_ip" (include "pdproxy.registryHost" $root) }}
 {{- $_ := set $extra "proxy_port" (toString $root.Values.registryService.port) }}

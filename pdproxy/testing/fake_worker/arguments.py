@@ -6,7 +6,12 @@ import argparse
 from pathlib import Path
 
 from pdproxy.ids import Address, AddressError, make_address, parse_address
-from pdproxy.testing.fake_worker.config import CONNECTOR_KINDS, Geometry, WorkerConfig
+from pdproxy.testing.fake_worker.config import (
+    CONNECTOR_KINDS,
+    DEFAULT_HTTP_BACKLOG,
+    Geometry,
+    WorkerConfig,
+)
 from pdproxy.worker.secret import read_secret_file
 
 
@@ -54,6 +59,13 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
         help="HTTP bind host, also the announced http_address host (default: %(default)s)",
     )
     add("--port", type=port, required=True, help="HTTP port")
+    add(
+        "--backlog",
+        type=positive_int,
+        default=DEFAULT_HTTP_BACKLOG,
+        help="HTTP accept queue length, uvicorn's (and so vLLM's) default; the kernel caps it "
+        "at net.core.somaxconn (default: %(default)s)",
+    )
     add(
         "--kv-port",
         type=port,
@@ -192,4 +204,5 @@ def config_from_args(args: argparse.Namespace) -> WorkerConfig:
             kv_layout=args.kv_layout,
         ),
         registry_secret=None if secret_file is None else read_secret_file(secret_file),
+        http_backlog=args.backlog,
     )

@@ -17,6 +17,9 @@ class Behaviour:
     status: int | None = None
     error_body: Any = None
     delay_s: float | None = None
+    # Cut the connection (no clean end) after this many SSE chunks of a stream, or before
+    # any byte of a whole answer.
+    drop_after_chunks: int | None = None
 
     def response(self) -> web.Response:
         """The injected answer: `error_body` verbatim (a string as raw text), else vLLM-shaped."""
@@ -30,7 +33,12 @@ class Behaviour:
 
     def as_json(self) -> dict[str, Any]:
         delay_ms = None if self.delay_s is None else self.delay_s * 1000.0
-        return {"status": self.status, "error_body": self.error_body, "delay_ms": delay_ms}
+        return {
+            "status": self.status,
+            "error_body": self.error_body,
+            "delay_ms": delay_ms,
+            "drop_after_chunks": self.drop_after_chunks,
+        }
 
 
 def parse_behaviour(body: dict[str, Any]) -> Behaviour:
@@ -47,4 +55,7 @@ def parse_behaviour(body: dict[str, Any]) -> Behaviour:
     ):
         raise ApiError(400, "delay_ms must be a non-negative number or null", "delay_ms")
     delay_s = None if delay_ms is None else float(delay_ms) / 1000.0
-    return Behaviour(status, body.get("error_body"), delay_s)
+    drop = body.get("drop_after_chunks")
+    if drop is not None and (not isinstance(drop, int) or isinstance(drop, bool) or drop < 0):
+        raise ApiError(400, "drop_after_chunks must be a non-negative integer or null", "drop")
+    return Behaviour(status, body.get("error_body"), delay_s, drop)

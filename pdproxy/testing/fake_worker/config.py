@@ -14,6 +14,7 @@ CONNECTOR_KINDS: tuple[ConnectorKind, ...] = ("p2p_nccl", "nixl", "pdproxy")
 # flow). p2p_nccl and pdproxy's own connector push to the decode named in the request id
 # (pdproxy with nixl's geometry rules, keyed by the tag's uuid).
 PULL_CONNECTORS: frozenset[str] = frozenset({"nixl"})
+DEFAULT_HTTP_BACKLOG = 2048
 
 
 @dataclass(frozen=True, slots=True)
@@ -46,6 +47,9 @@ class WorkerConfig:
     geometry: Geometry
     # Signs every v1 message when set (pdproxy.registry.auth); kept out of repr and logs.
     registry_secret: bytes | None = field(default=None, repr=False)
+    # The HTTP listener's accept queue. uvicorn's default, which vLLM runs with: aiohttp's own
+    # 128 overflows when a proxy opens thousands of connections at once, which vLLM would not.
+    http_backlog: int = DEFAULT_HTTP_BACKLOG
 
     @property
     def pulls_kv(self) -> bool:

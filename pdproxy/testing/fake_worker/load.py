@@ -37,6 +37,7 @@ class LoadTracker:
     def __init__(self, capacity_tokens: int) -> None:
         self.capacity_tokens = capacity_tokens
         self.running = 0
+        self.peak_running = 0  # the most requests ever running at once (tests check caps)
         self.tokens = 0  # KV held by in-flight requests: prompt plus generated tokens
         self.forced = ForcedLoad()
 
@@ -45,6 +46,7 @@ class LoadTracker:
         """Count a request as running, holding its tokens' KV, until it ends in any way."""
         share = Share(self, prompt_tokens)
         self.running += 1
+        self.peak_running = max(self.peak_running, self.running)
         self.tokens += prompt_tokens
         try:
             yield share
@@ -71,6 +73,7 @@ class LoadTracker:
             "measured": self.measured().as_map(),
             "forced": asdict(self.forced),
             "capacity_tokens": self.capacity_tokens,
+            "peak_running": self.peak_running,
         }
 
 

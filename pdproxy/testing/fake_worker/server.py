@@ -57,7 +57,8 @@ async def run_worker(cfg: WorkerConfig) -> int:
             kv_router.bind(f"tcp://{zmq_bind_host(cfg.kv.host)}:{cfg.kv.port}")
             await runner.setup()
             stack.push_async_callback(runner.cleanup)
-            await web.TCPSite(runner, cfg.http.host, cfg.http.port).start()
+            site = web.TCPSite(runner, cfg.http.host, cfg.http.port, backlog=cfg.http_backlog)
+            await site.start()
         except (OSError, zmq.ZMQError) as err:
             print(f"fake-worker: cannot bind: {err}", file=sys.stderr)
             return 1

@@ -121,9 +121,14 @@ class FakeWorker:
             except ApiError as err:
                 return err.response()
             env = Envelope(response_id, int(time.time()), self.cfg.model)
+            drop = behaviour.drop_after_chunks
             if generation.stream:
                 # Like vLLM, a streamed answer carries no kv_transfer_params.
-                return await self._stream(request, env, generation, exchange, share)
+                return await self._stream(request, env, generation, exchange, share, drop)
+            if drop is not None:
+                _cut(request)
+                self.records.add_abort(exchange)
+                return web.Response(status=500)  # never sent: the connection is gone
             return await self._whole(env, generation, exchange, share, answer_params)
 
     async def _whole(
@@ -150,14 +155,21 @@ class FakeWorker:
         generation: Generation,
         exchange: Exchange,
         share: Share,
+        drop_after_chunks: int | None = None,
     ) -> web.StreamResponse:
         response = web.StreamResponse(
             headers={"Content-Type": "text/event-stream", "Cache-Control": "no-cache"}
         )
         try:
             await response.prepare(request)
+            sent = 0
             async for chunk in chunks(env, generation, self.cfg.token_latency_s, share.generated):
+                if sent == drop_after_chunks:
+                    _cut(request)
+                    self.records.add_abort(exchange)
+                    return response
                 await response.write(sse(chunk))
+                sent += 1
             await response.write(SSE_DONE)
         except ConnectionResetError:
             # The peer closed before the handler was cancelled; aiohttp copes with the return.
@@ -165,3 +177,9 @@ class FakeWorker:
             return response
         self.records.add("completed", exchange.record_id)
         return response
+
+
+def _cut(request: web.Request) -> None:
+    """Drop the connection without ending the answer (a crash or a network failure)."""
+    if request.transport is not None:
+        request.transport.abort()

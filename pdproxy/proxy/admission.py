@@ -1,0 +1,127 @@
+"""Admission control: a proxy-wide cap on completion requests in flight, one bounded FIFO
+queue in front of it, and the drain switch.
+
+Beyond the queue a request gets 429 at once; one that waited `queue_timeout` gets 503; both
+with Retry-After. Requests waiting for an instance below its in-flight cap (the rotation's
+wait) take places in the same queue, so one number bounds every waiting request.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import contextlib
+from collections import deque
+from collections.abc import AsyncIterator, Iterator
+
+from pdproxy.metrics import Metrics
+from pdproxy.proxy.errors import ProxyError
+
+
+class Admission:
+    def __init__(
+        self,
+        limit: int,
+        queue_limit: int,
+        queue_timeout: float,
+        retry_after_seconds: int,
+        metrics: Metrics,
+    ) -> None:
+        self._limit = limit
+        self._queue_limit = queue_limit
+        self._queue_timeout = queue_timeout
+        self._retry_after = ((b"retry-after", str(retry_after_seconds).encode()),)
+        self._metrics = metrics
+        self.active = 0
+        self.waiting = 0
+        self.draining = False
+        self._waiters: deque[asyncio.Future[None]] = deque()
+
+    @property
+    def idle(self) -> bool:
+        return self.active == 0 and self.waiting == 0
+
+    @contextlib.asynccontextmanager
+    async def slot(self) -> AsyncIterator[None]:
+        await self._enter()
+        try:
+            yield
+        finally:
+            self._leave()
+
+    @contextlib.contextmanager
+    def queued(self) -> Iterator[None]:
+        """A place in the queue while waiting for something; 429 when none is left."""
+        if self.waiting >= self._queue_limit:
+            self._refused("queue_full")
+            raise ProxyError(
+                429,
+                f"pdproxy is at capacity: {self.waiting} requests are already waiting",
+                code="queue_full",
+                headers=self._retry_after,
+            )
+        self.waiting += 1
+        self._metrics.queued.set(self.waiting)
+        try:
+            yield
+        finally:
+            self.waiting -= 1
+            self._metrics.queued.set(self.waiting)
+
+    def refuse_if_draining(self) -> None:
+        if self.draining:
+            self._refused("draining")
+            raise ProxyError(
+                503,
+                "pdproxy is shutting down; retry on another replica",
+                code="draining",
+                headers=((b"connection", b"close"), *self._retry_after),
+            )
+
+    async def _enter(self) -> None:
+        self.refuse_if_draining()
+        if self.active < self._limit and not self._waiters:
+            self._admitted(1)
+            return
+        with self.queued():
+            waiter = asyncio.get_running_loop().create_future()
+            self._waiters.append(waiter)
+            try:
+                async with asyncio.timeout(self._queue_timeout):
+                    await waiter
+            except TimeoutError:
+                self._abandon(waiter)
+                self._refused("queue_timeout")
+                raise ProxyError(
+                    503,
+                    f"no free slot within {self._queue_timeout:g}s: {self._limit} requests are "
+                    "in flight",
+                    code="queue_timeout",
+                    headers=self._retry_after,
+                ) from None
+            except BaseException:
+                self._abandon(waiter)
+                raise
+
+    def _abandon(self, waiter: asyncio.Future[None]) -> None:
+        if waiter.done() and not waiter.cancelled():
+            self._leave()  # a slot was handed over just as we gave up: pass it on
+            return
+        waiter.cancel()
+        with contextlib.suppress(ValueError):
+            self._waiters.remove(waiter)
+
+    def _leave(self) -> None:
+        # The slot goes straight to the oldest waiter: the count in flight does not change.
+        while self._waiters:
+            waiter = self._waiters.popleft()
+            if not waiter.done():
+                waiter.set_result(None)
+                return
+        self._admitted(-1)
+
+    def _admitted(self, change: int) -> None:
+        self.active += change
+        self._metrics.admitted.set(self.active)
+
+    def _refused(self, reason: str) -> None:
+        self._metrics.refused.labels(reason).inc()

@@ -1,0 +1,91 @@
+"""Optional active health checks: GET /health on every registered instance, every interval.
+
+Passive detection only sees instances that get traffic; a probe also notices an idle instance
+that died, and lets a half-open instance prove itself without risking a user's request.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import contextlib
+import logging
+from collections.abc import Callable
+
+from pdproxy.metrics import Metrics
+from pdproxy.proxy.upstream import Upstream, UpstreamError
+from pdproxy.registry.messages import Role
+from pdproxy.registry.table import Instance, RegistryTable
+from pdproxy.reliability.outlier import OutlierDetector
+
+log = logging.getLogger("pdproxy.prober")
+
+_PROBE_LIMIT = 64 * 1024
+_CONCURRENT_PROBES = 64
+_ROLE_LABELS = {Role.PREFILL: "prefill", Role.DECODE: "decode"}
+
+
+class HealthProber:
+    def __init__(
+        self,
+        interval: float,
+        timeout: float,
+        table: RegistryTable,
+        upstream: Upstream,
+        outliers: OutlierDetector,
+        metrics: Metrics,
+        clock: Callable[[], float],
+    ) -> None:
+        self._interval = interval
+        self._timeout = timeout
+        self._table = table
+        self._upstream = upstream
+        self._outliers = outliers
+        self._metrics = metrics
+        self._clock = clock
+        self._task: asyncio.Task[None] | None = None
+        self._limit = asyncio.Semaphore(_CONCURRENT_PROBES)
+
+    def start(self) -> None:
+        if self._interval > 0:
+            self._task = asyncio.create_task(self._probe_forever(), name="health-prober")
+
+    async def stop(self) -> None:
+        if self._task is not None:
+            self._task.cancel()
+            with contextlib.suppress(asyncio.CancelledError):
+                await self._task
+            self._task = None
+
+    async def probe_all(self) -> None:
+        snapshot = self._table.snapshot()
+        instances = (*snapshot.prefills, *snapshot.decodes)
+        await asyncio.gather(*(self._probe(instance) for instance in instances))
+
+    async def _probe_forever(self) -> None:
+        while True:
+            await asyncio.sleep(self._interval)
+            try:
+                await self.probe_all()
+            except Exception:  # a bug here must not end the probing for good
+                log.exception("health probes failed")
+
+    async def _probe(self, instance: Instance) -> None:
+        async with self._limit:
+            try:
+                async with asyncio.timeout(self._timeout):
+                    reply = await self._upstream.get(
+                        instance.http_address, "/health", {}, _PROBE_LIMIT
+                    )
+                healthy = reply.status == 200
+            except (TimeoutError, UpstreamError):
+                healthy = False
+        now = self._clock()
+        if healthy:
+            self._metrics.health_probes.labels("ok").inc()
+            self._outliers.probe_succeeded(instance.name, now)
+            return
+        self._metrics.health_probes.labels("failed").inc()
+        role = _ROLE_LABELS[instance.role]
+        if self._outliers.failure(instance.name, role, now, self._table.count(instance.role)):
+            self._metrics.ejections.labels(role).inc()
+            log.warning("%s instance %s ejected: its /health probes fail", role, instance.name)

@@ -1,0 +1,153 @@
+"""Which instances take new legs: the planner's choice among those in rotation, and the
+bookkeeping that keeps the rotation true.
+
+Out of rotation are instances the outlier detector ejected, instances an operator drained, and
+instances at their in-flight cap. A request that finds every compatible instance at its cap
+waits (bounded, and in the admission queue) until a leg ends. Every leg's end goes through
+`release`; every leg's outcome through `succeeded` / `failed`.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import contextlib
+import logging
+from collections.abc import Callable
+
+from pdproxy.config import Settings
+from pdproxy.ids import Address
+from pdproxy.metrics import DECODE, PREFILL, Metrics
+from pdproxy.pairing.features import RequestFeatures
+from pdproxy.pairing.planner import Direct, NoPair, Pair, Planner
+from pdproxy.proxy.admission import Admission
+from pdproxy.proxy.errors import ProxyError
+from pdproxy.registry.messages import Role
+from pdproxy.registry.table import Instance, RegistryTable, Snapshot
+from pdproxy.reliability.outlier import OutlierDetector
+
+log = logging.getLogger("pdproxy.rotation")
+
+# While requests wait for an instance below its cap, they look again at least this often
+# (an ejection may have ended without any leg ending).
+_CAPACITY_RECHECK_SECONDS = 0.25
+_ROLES = {PREFILL: Role.PREFILL, DECODE: Role.DECODE}
+
+
+class Rotation:
+    def __init__(
+        self,
+        settings: Settings,
+        table: RegistryTable,
+        planner: Planner,
+        outliers: OutlierDetector,
+        admission: Admission,
+        metrics: Metrics,
+        clock: Callable[[], float],
+    ) -> None:
+        self._settings = settings
+        self._table = table
+        self._planner = planner
+        self._outliers = outliers
+        self._admission = admission
+        self._metrics = metrics
+        self._clock = clock
+        # Instances an operator drained: no new legs; those in flight finish.
+        self.drained: frozenset[str] = frozenset()
+        self._capacity_freed = asyncio.Event()
+        self._retained_version = -1
+        self._retry_after = ((b"retry-after", str(settings.retry_after_seconds).encode()),)
+
+    def out_of_rotation(self, now: float) -> frozenset[str]:
+        """Instances that are not healthy to route to: ejected or drained (readiness)."""
+        ejected = self._outliers.ejected(now)
+        return ejected | self.drained if self.drained else ejected
+
+    def excluded(self, now: float) -> frozenset[str]:
+        """Instances no new leg may go to: out of rotation, or at their in-flight cap."""
+        out = self.out_of_rotation(now)
+        full = self._planner.full
+        return out | full if full else out
+
+    def snapshot(self, now: float) -> Snapshot:
+        snapshot = self._table.snapshot(now)
+        if snapshot.version != self._retained_version:
+            # Membership changed: forget the health of instances that left.
+            self._outliers.retain(i.name for i in (*snapshot.prefills, *snapshot.decodes))
+            self._retained_version = snapshot.version
+        return snapshot
+
+    async def choose(self, features: RequestFeatures, avoid: frozenset[str]) -> Pair:
+        """A pair, waiting (bounded) while every compatible instance is at its cap."""
+        with contextlib.ExitStack() as queued:
+            wait_until = None
+            while True:
+                now = self._clock()
+                excluded = self.excluded(now)
+                choice = self._planner.plan(
+                    self.snapshot(now), features, excluded=excluded, avoid=avoid
+                )
+                if isinstance(choice, Pair):
+                    return choice
+                if not self._planner.full:
+                    raise self._unpaired(choice, excluded)
+                if wait_until is None:
+                    # Waiting for a busy instance takes a place in the one bounded queue.
+                    queued.enter_context(self._admission.queued())
+                    wait_until = asyncio.get_running_loop().time() + self._settings.queue_timeout
+                await self._wait_for_capacity(wait_until)
+
+    def choose_direct(self, features: RequestFeatures, avoid: frozenset[str]) -> Direct | None:
+        now = self._clock()
+        return self._planner.plan_direct(
+            self.snapshot(now), features, excluded=self.excluded(now), avoid=avoid
+        )
+
+    def release(self, address: Address, tokens: int) -> None:
+        full = self._planner.full
+        name = str(address) if full else ""
+        self._planner.release(address, tokens)
+        if name in full and name not in self._planner.full:
+            # Wake every waiter: each plans again (bounded by the queue's size).
+            self._capacity_freed.set()
+            self._capacity_freed = asyncio.Event()
+
+    def succeeded(self, role: str, instance: Instance) -> None:
+        self._outliers.success(instance.name, role, self._clock())
+
+    def failed(self, role: str, instance: Instance) -> None:
+        now = self._clock()
+        role_size = self._table.count(_ROLES[role])
+        if not self._outliers.failure(instance.name, role, now, role_size):
+            return
+        self._metrics.ejections.labels(role).inc()
+        status = self._outliers.status(instance.name, now)
+        log.warning(
+            "%s instance %s ejected for %.1fs after %d failures in a row (ejection %d)",
+            role,
+            instance.name,
+            status.ejected_for_seconds,
+            status.consecutive_failures,
+            status.ejections,
+        )
+
+    def _unpaired(self, choice: NoPair, excluded: frozenset[str]) -> ProxyError:
+        self._metrics.unpaired.labels(choice.kind.value).inc()
+        reason = choice.reason
+        if excluded:
+            reason += f" ({len(excluded)} instance(s) out of rotation: ejected or drained)"
+        return ProxyError(503, reason, code="no_instance", headers=self._retry_after)
+
+    async def _wait_for_capacity(self, wait_until: float) -> None:
+        left = wait_until - asyncio.get_running_loop().time()
+        if left <= 0:
+            cap = self._settings.instance_max_inflight
+            raise ProxyError(
+                503,
+                f"every compatible instance stayed at its cap of {cap} legs in flight for "
+                f"{self._settings.queue_timeout:g}s",
+                code="instances_busy",
+                headers=self._retry_after,
+            )
+        with contextlib.suppress(TimeoutError):
+            async with asyncio.timeout(min(left, _CAPACITY_RECHECK_SECONDS)):
+                await self._capacity_freed.wait()
