@@ -160,6 +160,12 @@ class Settings(BaseModel):
     request_timeout: float = Field(
         3600.0, gt=0, description="Seconds a whole request may take, both legs included."
     )
+    body_timeout: float = Field(
+        60.0,
+        gt=0,
+        description="Seconds a client may take to send its request body (408 after; it holds "
+        "an admission slot meanwhile).",
+    )
     retry_after_seconds: int = Field(
         2, ge=1, description="Retry-After sent with 503 when no pair can serve a request."
     )

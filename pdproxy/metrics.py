@@ -16,7 +16,8 @@ from prometheus_client.exposition import CONTENT_TYPE_LATEST, generate_latest
 from prometheus_client.registry import Collector
 
 from pdproxy.pairing.planner import Unpaired
-from pdproxy.registry.messages import Reason, Role
+from pdproxy.registry.kv_stats import COUNTED_OUTCOMES, TransferRecord
+from pdproxy.registry.messages import Reason, Role, TransferOutcome
 from pdproxy.reliability.failures import RETRYABLE_KINDS
 from pdproxy.reliability.outlier import CIRCUIT_LEVEL, Circuit
 
@@ -41,6 +42,28 @@ _LATENCY_BUCKETS = (
     120.0,
     300.0,
     600.0,
+)
+
+# KV transfers: from a few blocks over shared memory to gigabytes over a slow network.
+_KV_TRANSFER_BUCKETS = (
+    0.0001,
+    0.00025,
+    0.0005,
+    0.001,
+    0.0025,
+    0.005,
+    0.01,
+    0.025,
+    0.05,
+    0.1,
+    0.25,
+    0.5,
+    1.0,
+    2.5,
+    5.0,
+    10.0,
+    30.0,
+    60.0,
 )
 
 CONTENT_TYPE = CONTENT_TYPE_LATEST
@@ -152,6 +175,36 @@ class Metrics:
             ["outcome"],
             registry=r,
         )
+        self.kv_transfer_bytes = Counter(
+            "pdproxy_kv_transfer_bytes",
+            "KV bytes moved by counted transfers (what the counted side reported: the decode's "
+            "received bytes, else the prefill's sent bytes), by prefill and decode instance.",
+            ["prefill", "decode"],
+            registry=r,
+        )
+        self.kv_transfers = Counter(
+            "pdproxy_kv_transfers",
+            "KV transfers, each counted once when every rank of its decode (else, after a "
+            "timeout, its prefill) reported, by outcome (ok, dropped, missing, timeout, error; "
+            "incomplete: some rank never reported).",
+            ["outcome"],
+            registry=r,
+        )
+        self.kv_transfer_duration = Histogram(
+            "pdproxy_kv_transfer_duration_seconds",
+            "Duration of successful KV transfers (the slowest rank of the counted side).",
+            buckets=_KV_TRANSFER_BUCKETS,
+            registry=r,
+        )
+        self.kv_transfer_bandwidth = Gauge(
+            "pdproxy_kv_transfer_bandwidth_bytes_per_second",
+            "Effective bandwidth of the last successful KV transfer between a prefill and a "
+            "decode instance: its bytes over its duration.",
+            ["prefill", "decode"],
+            registry=r,
+        )
+        for outcome in COUNTED_OUTCOMES:
+            self.kv_transfers.labels(outcome)
         for reason in REFUSALS:
             self.refused.labels(reason)
         for role in LEG_ROLES:
@@ -169,6 +222,22 @@ class Metrics:
             self.registry_messages.labels("rejected", reason.value)
         self._legs: dict[tuple[str, str], int] = {}
         self._departed: set[str] = set()
+        self._kv_pairs: set[tuple[str, str]] = set()
+
+    def kv_transfer_counted(self, record: TransferRecord, pair: tuple[str, str] | None) -> None:
+        """Count one transfer. `pair` (prefill, decode) is given only when both instances are
+        registered: per-pair label sets exist only for registered instances."""
+        self.kv_transfers.labels(record.outcome).inc()
+        # Durations of failures are their timeouts: they would only blur the percentiles.
+        seconds = record.seconds if record.outcome == TransferOutcome.OK.value else None
+        if seconds is not None:
+            self.kv_transfer_duration.observe(seconds)
+        if pair is None:
+            return
+        self._kv_pairs.add(pair)
+        self.kv_transfer_bytes.labels(*pair).inc(record.bytes)
+        if seconds:  # a zero duration has no bandwidth
+            self.kv_transfer_bandwidth.labels(*pair).set(record.bytes / seconds)
 
     def leg_started(self, role: str, instance: str) -> None:
         key = (role, instance)
@@ -202,6 +271,11 @@ class Metrics:
                 self._remove_inflight(role, instance)
         if busy:
             self._departed.add(instance)
+        for pair in [p for p in self._kv_pairs if instance in p]:
+            self._kv_pairs.discard(pair)
+            for family in (self.kv_transfer_bytes, self.kv_transfer_bandwidth):
+                with contextlib.suppress(KeyError):
+                    family.remove(*pair)
 
     def _remove_inflight(self, role: str, instance: str) -> None:
         with contextlib.suppress(KeyError):

@@ -268,11 +268,13 @@ class Planner:
     Every `plan` (and `plan_direct`) counts its legs in flight: the caller must `release`
     each chosen instance exactly once, when its leg ends.
 
-    Two ways to keep instances out of a plan, by name: `excluded` (ejected, drained, or at
-    their in-flight cap) is hard and changes rarely, so the index of the snapshot without them
-    is kept; `avoid` (what already failed this request) is soft and per request: a one-off
-    index is built without them, and if nothing is left the plan falls back to them, since
-    retrying a failed instance beats failing the request.
+    Three ways to keep instances out of a plan, by name: `excluded` (ejected or drained) is
+    hard and changes rarely, so the index of the snapshot without them is kept; `busy`
+    (instances at their in-flight cap, a set that changes with every leg near the cap) is hard
+    too but per request: a one-off index leaves them out, and the routing index stays; `avoid`
+    (what already failed this request) is soft: a one-off index is built without them, and if
+    nothing is left the plan falls back to them, since retrying a failed instance beats
+    failing the request. One-off indexes read the scores once and leave no listener behind.
     """
 
     def __init__(
@@ -342,13 +344,25 @@ class Planner:
         )
 
     def _view(
-        self, snapshot: Snapshot, model: str, excluded: frozenset[str], avoid: frozenset[str]
+        self,
+        snapshot: Snapshot,
+        model: str,
+        excluded: frozenset[str],
+        avoid: frozenset[str],
+        busy: frozenset[str],
     ) -> FleetView:
         view = self.index(snapshot, excluded).view(model)
+        if busy:
+            view = self._one_off(snapshot, excluded | busy, model)
+            if view.prefills is None:
+                return view  # busy instances are never a fallback: the caller waits
         if not avoid:
             return view
-        narrowed = self._build_index(without(snapshot, excluded | avoid), live=False).view(model)
+        narrowed = self._one_off(snapshot, excluded | busy | avoid, model)
         return view if narrowed.prefills is None else narrowed
+
+    def _one_off(self, snapshot: Snapshot, left_out: frozenset[str], model: str) -> FleetView:
+        return self._build_index(without(snapshot, left_out), live=False).view(model)
 
     def plan(
         self,
@@ -357,8 +371,9 @@ class Planner:
         *,
         excluded: frozenset[str] = frozenset(),
         avoid: frozenset[str] = frozenset(),
+        busy: frozenset[str] = frozenset(),
     ) -> Pair | NoPair:
-        view = self._view(snapshot, request.model, excluded, avoid)
+        view = self._view(snapshot, request.model, excluded, avoid, busy)
         if view.prefills is None:
             return view.no_pair(request.model)
         prefill = self.prefill_policy.choose(view.prefills, request, self._prefill_ticket)
@@ -385,12 +400,10 @@ class Planner:
         *,
         excluded: frozenset[str] = frozenset(),
         avoid: frozenset[str] = frozenset(),
+        busy: frozenset[str] = frozenset(),
     ) -> Direct | None:
         """A decode instance able to compute the prompt itself, or None."""
-        direct = self.index(snapshot, excluded).view(request.model).direct
-        if direct is not None and avoid:
-            narrowed = self._build_index(without(snapshot, excluded | avoid), live=False)
-            direct = narrowed.view(request.model).direct or direct
+        direct = self._view(snapshot, request.model, excluded, avoid, busy).direct
         if direct is None:
             return None
         decode = self.decode_policy.choose(direct, request, self._decode_ticket)

@@ -8,6 +8,7 @@ tracebacks, and a client that leaves cancels everything it started.
 from __future__ import annotations
 
 import asyncio
+import contextlib
 import logging
 import time
 from typing import Any
@@ -24,6 +25,7 @@ from pdproxy.proxy.request import parse_completion
 log = logging.getLogger("pdproxy.proxy")
 access = logging.getLogger(ACCESS_LOGGER)
 
+SHUTTING_DOWN = ProxyError(503, "pdproxy is shutting down", code="shutting_down")
 CLIENT_CLOSED = 499  # nginx's convention: the client went away before the answer was complete
 _MAX_ECHO_ID = 256
 _MAX_TRACE_HEADER = 1024
@@ -60,9 +62,7 @@ class CompletionsEndpoint:
                 self._admission.slot(),
             ):
                 exchange.deadline = deadline.when() or exchange.deadline
-                body = await exchange.read_body(
-                    self._settings.max_body_bytes, client.content_length
-                )
+                body = await self._read_body(exchange, client)
                 request = parse_completion(self._path, body)
                 exchange.notes.model, exchange.notes.stream = request.model, request.stream
                 exchange.watch_disconnect()
@@ -79,9 +79,13 @@ class CompletionsEndpoint:
             exchange.client_gone = True
         except asyncio.CancelledError:
             # Our own disconnect watch cancelled the legs: the request ends here, quietly.
-            # Any other cancellation (server shutdown) goes on up.
+            # Any other cancellation (the server shutting down) goes on up, after the client
+            # heard why its answer ends here.
             task = asyncio.current_task()
             if not exchange.client_gone or task is None or task.uncancel() > 0:
+                exchange.notes.error = "shutting_down"
+                with contextlib.suppress(Exception):
+                    await exchange.fail(SHUTTING_DOWN)
                 raise
         except Exception:
             log.exception("unexpected error serving %s (client id %r)", self._path, client_id)
@@ -104,6 +108,20 @@ class CompletionsEndpoint:
                     client_id.decode("latin-1") if client_id else None,
                     exchange.request_id or "-",
                 )
+
+    async def _read_body(self, exchange: Exchange, client: ClientHeaders) -> bytes:
+        """The body, within `body_timeout`: a client trickling it must not hold its admission
+        slot for the whole request timeout."""
+        limit = self._settings.body_timeout
+        try:
+            async with asyncio.timeout(limit):
+                return await exchange.read_body(
+                    self._settings.max_body_bytes, client.content_length
+                )
+        except TimeoutError:
+            raise ProxyError(
+                408, f"request body not received within {limit:g}s", code="timeout"
+            ) from None
 
     def _log_access(
         self, exchange: Exchange, status: int, elapsed: float, client_id: bytes | None

@@ -52,6 +52,7 @@ class Wait:
 
     what: str
     limit: float
+    began: float  # on the rotation's clock: outcomes of legs begun before an ejection are moot
     answered: bool = False
 
 
@@ -189,6 +190,7 @@ class Dispatcher:
             exchange.request_id = request_id
             headers = self.leg_headers(request_id, authorization)
             with_params = uses_params(pair.connector)
+            prefill_began = self._rotation.now()
             with trace.leg(PREFILL, pair.prefill.name) as span:
                 answer = await self._prefill(
                     pair.prefill, request, headers | span, with_params, notes
@@ -197,9 +199,11 @@ class Dispatcher:
             prefill_held = False
             if answer.status >= 400:
                 # vLLM refused the request (4xx): the client gets vLLM's own words.
+                self._answered_well(PREFILL, pair.prefill, prefill_began)
                 await exchange.whole(answer.status, answer.content_type.encode(), answer.body)
                 return
-            params = self._kv_params(pair.prefill, answer) if with_params else None
+            params = self._kv_params(pair.prefill, answer, prefill_began) if with_params else None
+            self._answered_well(PREFILL, pair.prefill, prefill_began)
             with trace.leg(DECODE, pair.decode.name) as span:
                 body = request.decode_body(params)
                 await self._decode(pair.decode, body, request, headers | span, exchange)
@@ -227,7 +231,7 @@ class Dispatcher:
         finally:
             self._rotation.release(direct.decode.http_address, direct.decode_tokens)
 
-    def _kv_params(self, prefill: Instance, answer: Reply) -> dict[str, Any]:
+    def _kv_params(self, prefill: Instance, answer: Reply, began: float) -> dict[str, Any]:
         params = params_from_answer(answer.body)
         if params is None:
             # Without it the decode instance cannot know where the KV is: it would recompute
@@ -237,6 +241,7 @@ class Dispatcher:
                 prefill,
                 "no_kv_transfer_params",
                 f"answered without {PARAMS_FIELD} (is its connector really nixl?)",
+                began,
             )
         return params
 
@@ -264,10 +269,14 @@ class Dispatcher:
         notes.prefill_seconds = time.perf_counter() - started
         self._metrics.prefill_duration.observe(notes.prefill_seconds)
         if 200 <= reply.status < 300 or 400 <= reply.status < 500:
-            self._answered_well(PREFILL, instance)
+            # Counted as a success by the caller, once the answer proved usable.
             return reply
         raise self._leg_failed(
-            PREFILL, instance, _status_kind(reply.status), _answered(reply.status, reply.body)
+            PREFILL,
+            instance,
+            _status_kind(reply.status),
+            _answered(reply.status, reply.body),
+            wait.began,
         )
 
     async def _decode(
@@ -295,7 +304,7 @@ class Dispatcher:
                     if not 200 <= stream.status < 300:
                         body = await stream.read_all(settings.max_response_bytes)
                         if 400 <= stream.status < 500:
-                            self._answered_well(DECODE, instance)
+                            self._answered_well(DECODE, instance, wait.began)
                             await exchange.whole(stream.status, stream.content_type.encode(), body)
                             return
                         raise self._leg_failed(
@@ -303,6 +312,7 @@ class Dispatcher:
                             instance,
                             _status_kind(stream.status),
                             _answered(stream.status, body),
+                            wait.began,
                         )
                     if not request.stream:
                         # vLLM sends a whole answer's headers once it is ready: from here on a
@@ -311,7 +321,7 @@ class Dispatcher:
                         body = await stream.read_all(settings.max_response_bytes)
                         self._first_byte(exchange, started)
                         deadline.reschedule(None)
-                        self._answered_well(DECODE, instance)
+                        self._answered_well(DECODE, instance, wait.began)
                         await exchange.whole(stream.status, stream.content_type.encode(), body)
                         return
                     chunk = await stream.next_chunk()
@@ -327,7 +337,7 @@ class Dispatcher:
                         deadline.reschedule(loop.time() + wait.limit)
                         chunk = await stream.next_chunk()
                         deadline.reschedule(None)
-                    self._answered_well(DECODE, instance)
+                    self._answered_well(DECODE, instance, wait.began)
                     await exchange.end_stream()
 
     def _first_byte(self, exchange: Exchange, started: float) -> None:
@@ -338,24 +348,37 @@ class Dispatcher:
     def _leg(self, role: str, instance: Instance, what: str, limit: float) -> Iterator[Wait]:
         """Count the leg in flight and turn its failures into 502s naming role and instance;
         `Wait` says what a timeout was waiting for."""
-        wait = Wait(what, limit)
+        wait = Wait(what, limit, self._rotation.now())
         self._metrics.leg_started(role, instance.name)
         try:
             yield wait
         except TimeoutError:
             raise self._leg_failed(
-                role, instance, "timeout", f"no {wait.what} within {wait.limit:g}s", wait.answered
+                role,
+                instance,
+                "timeout",
+                f"no {wait.what} within {wait.limit:g}s",
+                wait.began,
+                wait.answered,
             ) from None
         except UpstreamError as exc:
-            raise self._leg_failed(role, instance, exc.kind, exc.detail, wait.answered) from None
+            raise self._leg_failed(
+                role, instance, exc.kind, exc.detail, wait.began, wait.answered
+            ) from None
         finally:
             self._metrics.leg_finished(role, instance.name)
 
-    def _answered_well(self, role: str, instance: Instance) -> None:
-        self._rotation.succeeded(role, instance)
+    def _answered_well(self, role: str, instance: Instance, began: float) -> None:
+        self._rotation.succeeded(role, instance, began)
 
     def _leg_failed(
-        self, role: str, instance: Instance, kind: str, detail: str, answered: bool = False
+        self,
+        role: str,
+        instance: Instance,
+        kind: str,
+        detail: str,
+        began: float,
+        answered: bool = False,
     ) -> ProxyError:
         self._metrics.upstream_errors.labels(role, kind).inc()
         if kind == "saturated":
@@ -363,9 +386,12 @@ class Dispatcher:
                 503, f"pdproxy is saturated: {detail}", code="saturated", headers=self._retry_after
             )
         if counts_against_instance(kind):
-            self._rotation.failed(role, instance)
+            self._rotation.failed(role, instance, began)
+        # A leg that ran out of time is a gateway timeout (the P2pNccl id-suffix hang of vLLM
+        # >= 0.14 shows up as the decode's first byte never coming); anything else is 502.
+        status = 504 if kind == "timeout" else 502
         error = ProxyError(
-            502, f"{role} instance {instance.name} failed: {detail}", code=f"{role}_{kind}"
+            status, f"{role} instance {instance.name} failed: {detail}", code=f"{role}_{kind}"
         )
         retryable = is_retryable(kind) and not answered
         return LegFailed(error, role, instance.name, kind, retryable)

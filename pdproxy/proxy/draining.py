@@ -4,7 +4,8 @@ uvicorn's own SIGTERM handling closes the listening socket at once, so /ready ca
 say "not ready" while a load balancer still routes here. Instead, the first SIGTERM (or
 SIGINT) only starts draining: /ready answers 503, new requests get 503 with
 `Connection: close`, and the requests in flight get `drain_seconds` to finish. Then uvicorn's
-normal shutdown runs and the process exits 0. A second signal stops at once.
+normal shutdown runs and the process exits 0. A second signal starts that shutdown at once
+(what is still running gets FINAL_GRACE_SECONDS, then ends with an error event).
 """
 
 from __future__ import annotations
@@ -24,7 +25,8 @@ FINAL_GRACE_SECONDS = 1
 
 
 class Drainable(Protocol):
-    def begin_drain(self) -> None: ...
+    def begin_drain(self) -> None:
+        """Idempotent: called on every tick while draining."""
 
     @property
     def idle(self) -> bool: ...
@@ -45,14 +47,16 @@ class DrainingServer(uvicorn.Server):
                 self.force_exit = True
             self.should_exit = True
             return
+        # Only flags here: a signal handler may interrupt a lock holder (the log queue), so
+        # the drain itself starts on the next tick, within 0.1 s.
         self._drain_until = time.monotonic() + self._drain_seconds
-        self._app.begin_drain()
 
     async def on_tick(self, counter: int) -> bool:
         if await super().on_tick(counter):
             return True
         if self._drain_until is None:
             return False
+        self._app.begin_drain()
         if self._app.idle:
             log.info("drained: every request finished; shutting down")
             self.should_exit = True

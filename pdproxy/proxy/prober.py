@@ -1,7 +1,7 @@
 """Optional active health checks: GET /health on every registered instance, every interval.
 
 Passive detection only sees instances that get traffic; a probe also notices an idle instance
-that died, and lets a half-open instance prove itself without risking a user's request.
+that died, and closes the circuit of a half-open one that answers again.
 """
 
 from __future__ import annotations
@@ -57,6 +57,9 @@ class HealthProber:
             self._task = None
 
     async def probe_all(self) -> None:
+        if self._upstream.congested:
+            return  # a probe would measure the proxy's own congestion, not the instances
+        self._outliers.ejected(self._clock())  # ended cool-downs turn half-open: probe them
         snapshot = self._table.snapshot()
         instances = (*snapshot.prefills, *snapshot.decodes)
         await asyncio.gather(*(self._probe(instance) for instance in instances))
@@ -77,7 +80,11 @@ class HealthProber:
                         instance.http_address, "/health", {}, _PROBE_LIMIT
                     )
                 healthy = reply.status == 200
-            except (TimeoutError, UpstreamError):
+            except UpstreamError as exc:
+                if exc.kind == "saturated":
+                    return  # the proxy's own limit: nobody's health
+                healthy = False
+            except TimeoutError:
                 healthy = False
         now = self._clock()
         if healthy:

@@ -62,17 +62,12 @@ class Rotation:
         ejected = self._outliers.ejected(now)
         return ejected | self.drained if self.drained else ejected
 
-    def excluded(self, now: float) -> frozenset[str]:
-        """Instances no new leg may go to: out of rotation, or at their in-flight cap."""
-        out = self.out_of_rotation(now)
-        full = self._planner.full
-        return out | full if full else out
-
     def snapshot(self, now: float) -> Snapshot:
         snapshot = self._table.snapshot(now)
         if snapshot.version != self._retained_version:
-            # Membership changed: forget the health of instances that left.
-            self._outliers.retain(i.name for i in (*snapshot.prefills, *snapshot.decodes))
+            # Membership may have changed: forget the health of instances that left (those
+            # announced unhealthy are still registered and keep theirs).
+            self._outliers.retain(e.instance.name for e in self._table.entries())
             self._retained_version = snapshot.version
         return snapshot
 
@@ -82,13 +77,17 @@ class Rotation:
             wait_until = None
             while True:
                 now = self._clock()
-                excluded = self.excluded(now)
+                snapshot = self.snapshot(now)
+                excluded = self.out_of_rotation(now)
+                busy = self._planner.full
                 choice = self._planner.plan(
-                    self.snapshot(now), features, excluded=excluded, avoid=avoid
+                    snapshot, features, excluded=excluded, avoid=avoid, busy=busy
                 )
                 if isinstance(choice, Pair):
                     return choice
-                if not self._planner.full:
+                # Wait only when the busy instances are what stands in the way.
+                blocked = self._planner.index(snapshot, excluded).view(features.model)
+                if not busy or blocked.prefills is None:
                     raise self._unpaired(choice, excluded)
                 if wait_until is None:
                     # Waiting for a busy instance takes a place in the one bounded queue.
@@ -99,7 +98,11 @@ class Rotation:
     def choose_direct(self, features: RequestFeatures, avoid: frozenset[str]) -> Direct | None:
         now = self._clock()
         return self._planner.plan_direct(
-            self.snapshot(now), features, excluded=self.excluded(now), avoid=avoid
+            self.snapshot(now),
+            features,
+            excluded=self.out_of_rotation(now),
+            avoid=avoid,
+            busy=self._planner.full,
         )
 
     def release(self, address: Address, tokens: int) -> None:
@@ -111,13 +114,16 @@ class Rotation:
             self._capacity_freed.set()
             self._capacity_freed = asyncio.Event()
 
-    def succeeded(self, role: str, instance: Instance) -> None:
-        self._outliers.success(instance.name, role, self._clock())
+    def now(self) -> float:
+        """The time legs are stamped with when they begin."""
+        return self._clock()
 
-    def failed(self, role: str, instance: Instance) -> None:
+    def succeeded(self, role: str, instance: Instance, began: float) -> None:
+        self._outliers.success(instance.name, role, self._clock(), began)
+
+    def failed(self, role: str, instance: Instance, began: float) -> None:
         now = self._clock()
-        role_size = self._table.count(_ROLES[role])
-        if not self._outliers.failure(instance.name, role, now, role_size):
+        if not self._outliers.failure(instance.name, role, now, self._serving(role), began):
             return
         self._metrics.ejections.labels(role).inc()
         status = self._outliers.status(instance.name, now)
@@ -129,6 +135,13 @@ class Rotation:
             status.consecutive_failures,
             status.ejections,
         )
+
+    def _serving(self, role: str) -> int:
+        """Instances of `role` that take traffic at all (not announced unhealthy, not
+        drained): the ejection cap is a share of these."""
+        snapshot = self._table.snapshot()
+        members = snapshot.prefills if _ROLES[role] is Role.PREFILL else snapshot.decodes
+        return sum(1 for i in members if i.name not in self.drained)
 
     def _unpaired(self, choice: NoPair, excluded: frozenset[str]) -> ProxyError:
         self._metrics.unpaired.labels(choice.kind.value).inc()

@@ -21,6 +21,7 @@ from pdproxy.pairing.planner import readiness
 from pdproxy.proxy.errors import error_body
 from pdproxy.proxy.openapi import openapi_document
 from pdproxy.proxy.upstream import UpstreamError
+from pdproxy.registry.auth import address_allowed, parse_cidrs
 from pdproxy.registry.messages import Rejected, Role
 from pdproxy.registry.table import Entry, Instance, Source
 
@@ -95,6 +96,12 @@ def install_routes(api: FastAPI, app: PdproxyApp) -> None:
         state = app.state
         _require_admin(app, request)
         spec = await _registration(request)
+        networks = parse_cidrs(state.settings.registry_address_cidrs)
+        for address in (spec.http_address, spec.zmq_address) if networks else ():
+            allowed, why = address_allowed(address.host, networks)
+            if not allowed:
+                # The same fence as for announcements: no registering an arbitrary host.
+                return _error(403, f"{address}: {why}")
         instance = Instance(
             spec.role, spec.http_address, spec.zmq_address, Source.STATIC, model=spec.model
         )
@@ -111,13 +118,14 @@ def install_routes(api: FastAPI, app: PdproxyApp) -> None:
         address = _address(name)
         if not state.registry.remove(address):
             return _error(404, f"no instance {name} is registered")
-        state.rotation.drained -= {name}
-        return _json({"removed": name})
+        state.rotation.drained -= {str(address)}
+        return _json({"removed": str(address)})
 
     @api.post("/v1/instances/{name}/drain")
     async def drain(name: str, request: Request) -> Response:
         state = app.state
         _require_admin(app, request)
+        name = str(_address(name))
         if not any(e.instance.name == name for e in state.table.entries()):
             return _error(404, f"no instance {name} is registered")
         state.rotation.drained |= {name}
@@ -128,6 +136,7 @@ def install_routes(api: FastAPI, app: PdproxyApp) -> None:
     async def undrain(name: str, request: Request) -> Response:
         state = app.state
         _require_admin(app, request)
+        name = str(_address(name))
         if name not in state.rotation.drained:
             return _error(404, f"instance {name} is not drained")
         state.rotation.drained -= {name}

@@ -289,6 +289,11 @@ class Upstream:
                 connection.close()
         self._pools.clear()
 
+    @property
+    def congested(self) -> bool:
+        """Every upstream slot is taken: a new exchange would wait for one."""
+        return self._slots.locked()
+
     async def post(
         self, address: Address, path: str, body: bytes, headers: Mapping[str, str], limit: int
     ) -> Reply:

@@ -201,7 +201,7 @@ def address_allowed(host: str, networks: Iterable[Network]) -> tuple[bool, str]:
 class RegistryGate:
     """The registry's admission policy, applied to a decoded message and its raw map.
 
-    - with a secret, every v1 message (announce and leave) must be signed;
+    - with a secret, every v1 message (announce, leave and stats) must be signed;
     - v0 (stock vLLM, which cannot sign) is accepted without a secret, or with one only when
       `allow_unsigned_v0`; and when `v0_cidrs` are given, only if its addresses fall in them;
     - when `address_cidrs` are given, every announced http and zmq address must fall in them.

@@ -1,13 +1,15 @@
 """Decoding and validation of registry frames (DESIGN.md section 3). Pure: bytes in, value out.
 
-v0 is exactly what stock vLLM's P2pNcclEngine sends; v1 is pdproxy's superset. Anything else
-is rejected with one of a small, fixed set of reasons, so a metric labelled by reason stays
-bounded whatever a hostile sender writes.
+v0 is exactly what stock vLLM's P2pNcclEngine sends; v1 is pdproxy's superset (announce, leave,
+and stats: what each TP rank reports of its KV transfers). Anything else is rejected with one
+of a small, fixed set of reasons, so a metric labelled by reason stays bounded whatever a
+hostile sender writes.
 """
 
 from __future__ import annotations
 
 import math
+import re
 from collections.abc import Mapping
 from dataclasses import dataclass
 from enum import StrEnum
@@ -53,6 +55,20 @@ class Reason(StrEnum):
     STALE = "stale"
     REPLAYED = "replayed"
     FORBIDDEN_ADDRESS = "forbidden_address"
+    # KV transfer statistics (the "stats" op).
+    BAD_STATS = "bad_stats"  # rank, ranks or the transfers list
+    BAD_TRANSFER = "bad_transfer"  # one entry of the transfers list
+    UNKNOWN_INSTANCE = "unknown_instance"  # the sender is not registered in that role
+
+
+class TransferOutcome(StrEnum):
+    """How one rank's part of a KV transfer ended (the "stats" op)."""
+
+    OK = "ok"
+    TIMEOUT = "timeout"
+    ERROR = "error"
+    MISSING = "missing"
+    DROPPED = "dropped"
 
 
 class Rejected(ValueError):
@@ -102,7 +118,30 @@ class Leave:
     http_address: Address
 
 
-Message = Announcement | Leave
+@dataclass(frozen=True, slots=True)
+class TransferReport:
+    """One rank's view of one KV transfer: a P rank what it sent, a D rank what it received."""
+
+    transfer_id: str  # "<32 hex uid of the request-id tag>-<suffix>"
+    peer: Address  # the other instance (its http address, or its zmq address: see the docs)
+    bytes: int
+    blocks: int
+    seconds: float
+    outcome: TransferOutcome
+
+
+@dataclass(frozen=True, slots=True)
+class Stats:
+    """A "stats" message: what one TP rank of an instance reports after transfers."""
+
+    role: Role
+    http_address: Address  # the reporting instance
+    rank: int
+    ranks: int  # the instance's TP size: a transfer's side is complete when all reported
+    transfers: tuple[TransferReport, ...]
+
+
+Message = Announcement | Leave | Stats
 
 MAX_MODEL_NAME = 256
 # Upper bounds of the integer geometry fields, each far above any real model or deployment
@@ -123,6 +162,11 @@ GEOMETRY_LIMITS: Mapping[str, int] = MappingProxyType(
 )
 _KV_LAYOUTS = ("NHD", "HND")
 MAX_DTYPE_NAME = 32
+# The "stats" op: at most this many transfers per message (a rank batches its reports), and
+# per transfer counts at most 2**53, exact as a float (a metric's value).
+MAX_TRANSFERS = 256
+MAX_TRANSFER_COUNT = 2**53
+TRANSFER_ID = re.compile(r"[0-9a-f]{32}-[A-Za-z0-9_.-]{0,63}", re.ASCII)
 
 
 def decode_frame(frame: bytes) -> Message:
@@ -151,17 +195,23 @@ def parse_message(payload: object) -> Message:
         return _announcement(payload, version=1)
     if op == "leave":
         return Leave(_address(payload, "http_address"))
+    if op == "stats":
+        return _stats(payload)
     raise Rejected(Reason.UNKNOWN_OP, f"unknown op {_short(op)}")
 
 
-def _announcement(payload: dict[Any, Any], version: int) -> Announcement:
+def _role(payload: dict[Any, Any]) -> Role:
     role_value = _required_str(payload, "type")
     try:
-        role = Role(role_value)
+        return Role(role_value)
     except ValueError:
         raise Rejected(
             Reason.UNKNOWN_TYPE, f"type must be 'P' or 'D', got {_short(role_value)}"
         ) from None
+
+
+def _announcement(payload: dict[Any, Any], version: int) -> Announcement:
+    role = _role(payload)
     http_address = _address(payload, "http_address")
     zmq_address = _address(payload, "zmq_address")
     if version == 0:
@@ -278,6 +328,72 @@ def _load(value: object) -> Load | None:
         waiting=counts.get("waiting"),
         kv_usage=None if usage is None else float(usage),
     )
+
+
+def _stats(payload: dict[Any, Any]) -> Stats:
+    role = _role(payload)
+    http_address = _address(payload, "http_address")
+    for key in ("rank", "ranks", "transfers"):
+        if key not in payload:
+            raise Rejected(Reason.MISSING_FIELD, f"missing field {key!r}")
+    ranks, rank = payload["ranks"], payload["rank"]
+    if not _is_int(ranks) or not 1 <= ranks <= MAX_TP_SIZE:
+        raise Rejected(Reason.BAD_STATS, f"'ranks' must be an integer in 1..{MAX_TP_SIZE}")
+    if not _is_int(rank) or not 0 <= rank < ranks:
+        raise Rejected(Reason.BAD_STATS, "'rank' must be an integer in 0..ranks-1")
+    items = payload["transfers"]
+    if not isinstance(items, list) or len(items) > MAX_TRANSFERS:
+        raise Rejected(Reason.BAD_STATS, f"'transfers' must be a list of at most {MAX_TRANSFERS}")
+    transfers = tuple(parse_transfer(item, index) for index, item in enumerate(items))
+    return Stats(role, http_address, rank, ranks, transfers)
+
+
+def parse_transfer(item: object, index: int = 0) -> TransferReport:
+    """One entry of a stats message's transfers list, or Rejected (BAD_TRANSFER). Workers
+    check their own entries with it before queueing them: one bad entry refuses a message."""
+
+    def bad(what: str) -> Rejected:
+        return Rejected(Reason.BAD_TRANSFER, f"transfers[{index}]: {what}")
+
+    if not isinstance(item, dict):
+        raise bad("must be a map")
+    transfer_id = item.get("id")
+    if not isinstance(transfer_id, str) or not TRANSFER_ID.fullmatch(transfer_id):
+        raise bad("'id' must be <32 lowercase hex>-<up to 63 of [A-Za-z0-9_.-]>")
+    peer = item.get("peer")
+    if not isinstance(peer, str):
+        raise bad("'peer' must be a 'host:port' string")
+    try:
+        peer_address = parse_address(peer)
+    except AddressError as exc:
+        raise bad(f"peer {_short(peer)}: {exc}") from None
+    counts: list[int] = []
+    for key in ("bytes", "blocks"):
+        value = item.get(key)
+        if (
+            not isinstance(value, int)
+            or isinstance(value, bool)
+            or not 0 <= value <= MAX_TRANSFER_COUNT
+        ):
+            raise bad(f"{key!r} must be an integer in 0..2**53")
+        counts.append(value)
+    seconds = item.get("seconds")
+    if (
+        isinstance(seconds, bool)
+        or not isinstance(seconds, int | float)
+        or not math.isfinite(seconds)
+        or seconds < 0
+    ):
+        raise bad("'seconds' must be a finite number >= 0")
+    outcome = item.get("outcome")
+    if not isinstance(outcome, str) or outcome not in _OUTCOMES:
+        raise bad(f"'outcome' must be one of {', '.join(_OUTCOMES)}")
+    return TransferReport(
+        transfer_id, peer_address, counts[0], counts[1], float(seconds), TransferOutcome(outcome)
+    )
+
+
+_OUTCOMES = tuple(outcome.value for outcome in TransferOutcome)
 
 
 def _is_int(value: object) -> bool:

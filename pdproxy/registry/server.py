@@ -1,5 +1,6 @@
-"""The registry's I/O shell: a ZMQ ROUTER socket feeding the pure RegistryTable, plus the sweep
-that expires silent instances even when no message ever arrives again.
+"""The registry's I/O shell: a ZMQ ROUTER socket feeding the pure RegistryTable and the pure KV
+transfer aggregator (kv_stats), plus the sweep that expires silent instances and settles
+transfers even when no message ever arrives again.
 """
 
 from __future__ import annotations
@@ -15,15 +16,18 @@ import zmq
 import zmq.asyncio
 
 from pdproxy.config import Settings
-from pdproxy.ids import Address
+from pdproxy.ids import Address, AddressError, parse_address
 from pdproxy.metrics import Metrics
 from pdproxy.pairing.consistency import contradiction
 from pdproxy.registry.auth import RegistryGate, Verifier, parse_cidrs
+from pdproxy.registry.kv_stats import KvTransferStats, RankReport, TransferRecord
 from pdproxy.registry.messages import (
     Announcement,
+    Leave,
     Reason,
     Rejected,
     Role,
+    Stats,
     parse_message,
     unpack_frame,
 )
@@ -88,10 +92,12 @@ class RegistryServer:
         metrics: Metrics,
         clock: Callable[[], float] = time.monotonic,
         wall_clock: Callable[[], float] = time.time,
+        kv_stats: KvTransferStats | None = None,
     ) -> None:
         self._settings = settings
         self._table = table
         self._metrics = metrics
+        self._kv_stats = kv_stats if kv_stats is not None else KvTransferStats()
         self._clock = clock
         self._wall_clock = wall_clock  # signed timestamps are wall-clock seconds
         self._gate = gate_from_settings(settings)
@@ -173,11 +179,13 @@ class RegistryServer:
             if isinstance(message, Announcement):
                 change, instance = self._table.announce(message, now)
                 self._on_announced(change, instance)
-            else:
+            elif isinstance(message, Leave):
                 gone = self._table.remove(message.http_address)
                 if gone is not None:
                     log.info("registry: %s %s left", _role_name(gone), gone.name)
                     self._on_departed(gone)
+            else:
+                self._on_stats(message, now)
         except Rejected as exc:
             self._metrics.registry_messages.labels("rejected", exc.reason.value).inc()
             if self._rejections.should_log(sender, exc.reason, self._clock()):
@@ -202,6 +210,51 @@ class RegistryServer:
             problem = contradiction(instance, others)
             if problem is not None:
                 log.warning("registry: %s", problem)
+
+    def _on_stats(self, stats: Stats, now: float) -> None:
+        """Feed one rank's transfer reports to the aggregator. Only a registered instance may
+        report (so every label value is one the registry bounds); its TTL is not refreshed:
+        only announcements say an instance is alive."""
+        sender = self._table.get(stats.http_address)
+        if sender is None or sender.role is not stats.role:
+            raise Rejected(
+                Reason.UNKNOWN_INSTANCE,
+                f"{stats.http_address} is not registered as {_role_name_of(stats.role)}",
+            )
+        other = Role.DECODE if stats.role is Role.PREFILL else Role.PREFILL
+        for transfer in stats.transfers:
+            peer = self._table.lookup(transfer.peer, other)
+            report = RankReport(
+                transfer_id=transfer.transfer_id,
+                role=stats.role,
+                instance=sender.name,
+                peer=None if peer is None else peer.name,
+                rank=stats.rank,
+                ranks=stats.ranks,
+                bytes=transfer.bytes,
+                blocks=transfer.blocks,
+                seconds=transfer.seconds,
+                outcome=transfer.outcome,
+            )
+            self._count_transfers(self._kv_stats.report(report, now))
+
+    def _count_transfers(self, records: list[TransferRecord]) -> None:
+        for record in records:
+            self._metrics.kv_transfer_counted(record, self._registered_pair(record))
+
+    def _registered_pair(self, record: TransferRecord) -> tuple[str, str] | None:
+        """(prefill, decode) if both are registered now in those roles: a transfer counted
+        after one of them left adds to no per-pair label set."""
+        if record.prefill is None or record.decode is None:
+            return None
+        for name, role in ((record.prefill, Role.PREFILL), (record.decode, Role.DECODE)):
+            try:
+                instance = self._table.get(parse_address(name))
+            except AddressError:
+                return None
+            if instance is None or instance.role is not role:
+                return None
+        return record.prefill, record.decode
 
     def _on_departed(self, instance: Instance) -> None:
         self._metrics.instance_left(instance.name)
@@ -241,6 +294,7 @@ class RegistryServer:
                 self._table.ttl,
             )
             self._on_departed(instance)
+        self._count_transfers(self._kv_stats.expire(now))
         return expired
 
     async def _sweep_loop(self) -> None:
@@ -305,4 +359,8 @@ def _auth_summary(settings: Settings) -> str:
 
 def _role_name(instance: Instance) -> str:
     kind = "static " if instance.source is Source.STATIC else ""
-    return kind + ("prefill" if instance.role is Role.PREFILL else "decode")
+    return kind + _role_name_of(instance.role)
+
+
+def _role_name_of(role: Role) -> str:
+    return "prefill" if role is Role.PREFILL else "decode"

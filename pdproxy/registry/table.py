@@ -107,6 +107,9 @@ class RegistryTable:
         self._load_refresh = load_refresh
         self._entries: dict[Address, Entry] = {}
         self._static: set[Address] = set()
+        # zmq address -> http addresses announcing it: a connector knows its peer only by the
+        # KV address in the request-id tag, and its statistics name the peer that way.
+        self._by_zmq: dict[Address, set[Address]] = {}
         self._counts = dict.fromkeys(Role, 0)
         self._version = 0
         self._snapshot: Snapshot | None = Snapshot(0, (), ())
@@ -215,6 +218,22 @@ class RegistryTable:
             self._changed()
         return expired
 
+    def get(self, http_address: Address) -> Instance | None:
+        entry = self._entries.get(http_address)
+        return None if entry is None else entry.instance
+
+    def lookup(self, address: Address, role: Role) -> Instance | None:
+        """The registered instance of `role` whose http address is `address`, else whose zmq
+        address it is (the first found if several announce the same one)."""
+        instance = self.get(address)
+        if instance is not None and instance.role is role:
+            return instance
+        for key in self._by_zmq.get(address, ()):
+            instance = self._entries[key].instance
+            if instance.role is role:
+                return instance
+        return None
+
     def entries(self) -> list[Entry]:
         return list(self._entries.values())
 
@@ -239,17 +258,29 @@ class RegistryTable:
         return self._snapshot
 
     def _put(self, entry: Entry) -> None:
-        old = self._entries.get(entry.instance.http_address)
+        key = entry.instance.http_address
+        old = self._entries.get(key)
         if old is not None:
             self._counts[old.instance.role] -= 1
-        self._entries[entry.instance.http_address] = entry
+            self._unindex(old)
+        self._entries[key] = entry
         self._counts[entry.instance.role] += 1
+        self._by_zmq.setdefault(entry.instance.zmq_address, set()).add(key)
 
     def _pop(self, key: Address) -> Entry | None:
         entry = self._entries.pop(key, None)
         if entry is not None:
             self._counts[entry.instance.role] -= 1
+            self._unindex(entry)
         return entry
+
+    def _unindex(self, entry: Entry) -> None:
+        zmq = entry.instance.zmq_address
+        keys = self._by_zmq.get(zmq)
+        if keys is not None:
+            keys.discard(entry.instance.http_address)
+            if not keys:
+                del self._by_zmq[zmq]
 
     def _changed(self) -> None:
         self._version += 1

@@ -55,6 +55,7 @@ class _Record:
     consecutive: int = 0
     ejections: int = 0  # how many times in a row of bad spells; grows the cool-down
     open_until: float = 0.0
+    ejected_at: float = float("-inf")
     healthy_since: float = 0.0
 
 
@@ -73,7 +74,7 @@ class OutlierDetector:
         self.policy = policy
         self._records: dict[str, _Record] = {}
         self._ejected: frozenset[str] = frozenset()
-        # Bumped whenever the ejected set changes: routing rebuilds its view only then.
+        # Bumped whenever the ejected set changes (for whoever caches on it).
         self.version = 0
 
     def ejected(self, now: float) -> frozenset[str]:
@@ -86,12 +87,13 @@ class OutlierDetector:
                 self._set_ejected(self._ejected.difference(ended))
         return self._ejected
 
-    def success(self, name: str, role: str, now: float) -> None:
+    def success(self, name: str, role: str, now: float, began: float | None = None) -> None:
+        """A leg that `began` at that time ended well (None: it began just now)."""
         record = self._records.get(name)
         if record is None:
             return  # never failed: nothing to remember (state stays bounded by failures)
-        if record.circuit is Circuit.OPEN:
-            return  # an answer to a request sent before the ejection proves little
+        if record.circuit is Circuit.OPEN or _before(began, record.ejected_at):
+            return  # a leg sent before the ejection proves nothing about the instance now
         if record.circuit is Circuit.HALF_OPEN:
             record.circuit = Circuit.CLOSED
             record.healthy_since = now
@@ -109,13 +111,15 @@ class OutlierDetector:
             record.consecutive = 0
             record.healthy_since = now
 
-    def failure(self, name: str, role: str, now: float, role_size: int) -> bool:
-        """Count a failure; True when it ejected the instance."""
+    def failure(
+        self, name: str, role: str, now: float, role_size: int, began: float | None = None
+    ) -> bool:
+        """Count a failure of a leg that `began` then; True when it ejected the instance."""
         record = self._records.get(name)
         if record is None:
             record = self._records[name] = _Record(role, healthy_since=now)
-        if record.circuit is Circuit.OPEN:
-            return False
+        if record.circuit is Circuit.OPEN or _before(began, record.ejected_at):
+            return False  # already out, or a failure the last ejection already paid for
         record.consecutive += 1
         probation = record.circuit is Circuit.HALF_OPEN
         if not probation and record.consecutive < self.policy.consecutive_failures:
@@ -124,6 +128,7 @@ class OutlierDetector:
             return False
         record.ejections += 1
         record.circuit = Circuit.OPEN
+        record.ejected_at = now
         record.open_until = now + self.policy.cool_down(record.ejections)
         self._set_ejected(self._ejected | {name})
         return True
@@ -154,3 +159,7 @@ class OutlierDetector:
     def _set_ejected(self, ejected: frozenset[str]) -> None:
         self._ejected = ejected
         self.version += 1
+
+
+def _before(began: float | None, ejected_at: float) -> bool:
+    return began is not None and began < ejected_at

@@ -6,10 +6,14 @@ round-trip every message built here through it.
 
 from __future__ import annotations
 
+from collections.abc import Sequence
 from dataclasses import asdict, dataclass
 from typing import Any, Literal
 
+from pdproxy.registry.messages import MAX_TP_SIZE, MAX_TRANSFERS
+
 WorkerRole = Literal["P", "D"]
+TransferOutcome = Literal["ok", "timeout", "error", "missing", "dropped"]
 
 
 @dataclass(frozen=True, slots=True)
@@ -90,4 +94,50 @@ def v0_message(identity: WorkerIdentity) -> dict[str, Any]:
         "type": identity.role,
         "http_address": identity.http_address,
         "zmq_address": identity.zmq_address,
+    }
+
+
+@dataclass(frozen=True, slots=True)
+class TransferStat:
+    """One rank's view of one KV transfer: a P rank what it sent, a D rank what it received."""
+
+    transfer_id: str  # "<32 hex uid of the request-id tag>-<suffix>": the same on P and D
+    peer: str  # the other instance: its http address, or its zmq address (as in the tag)
+    bytes: int
+    blocks: int
+    seconds: float
+    outcome: TransferOutcome = "ok"
+
+    def as_map(self) -> dict[str, Any]:
+        return {
+            "id": self.transfer_id,
+            "peer": self.peer,
+            "bytes": self.bytes,
+            "blocks": self.blocks,
+            "seconds": float(self.seconds),
+            "outcome": self.outcome,
+        }
+
+
+def stats_message(
+    role: WorkerRole,
+    http_address: str,
+    rank: int,
+    ranks: int,
+    transfers: Sequence[TransferStat],
+) -> dict[str, Any]:
+    """What TP rank `rank` of `ranks` of an instance reports of its transfers. Raises
+    ValueError on what the registry would refuse whatever the entries say."""
+    if not 1 <= ranks <= MAX_TP_SIZE or not 0 <= rank < ranks:
+        raise ValueError(f"rank {rank} of {ranks}: need 0 <= rank < ranks <= {MAX_TP_SIZE}")
+    if len(transfers) > MAX_TRANSFERS:
+        raise ValueError(f"{len(transfers)} transfers in one message (at most {MAX_TRANSFERS})")
+    return {
+        "v": 1,
+        "op": "stats",
+        "type": role,
+        "http_address": http_address,
+        "rank": rank,
+        "ranks": ranks,
+        "transfers": [transfer.as_map() for transfer in transfers],
     }

@@ -18,6 +18,7 @@ from pdproxy.proxy.app import _COUNTED_PATHS, COMPLETION_PATHS
 from pdproxy.registry.messages import Role
 from pdproxy.reliability.outlier import Circuit
 from pdproxy.testing.fleet import WorkerSpec
+from pdproxy.testing.processes import wait_until
 from tests.conftest import FleetFactory
 from tests.deploy.support import REPO
 
@@ -170,11 +171,29 @@ def test_label_values_in_matchers_are_ones_pdproxy_uses() -> None:
     assert "P" not in ENUMS[bad[0][:2]]
 
 
-def test_no_kv_transfer_panels_without_kv_metrics() -> None:
-    """KV transfer bytes/durations are left out until metrics.py exports them."""
-    assert not [name for name in EXPORTED if "kv" in name]
-    titles = [p["title"].lower() for p in panels(DASHBOARD["panels"])]
-    assert not [t for t in titles if "kv" in t]
+KV_FAMILIES = {
+    "pdproxy_kv_transfer_bytes_total",
+    "pdproxy_kv_transfers_total",
+    "pdproxy_kv_transfer_duration_seconds_bucket",
+    "pdproxy_kv_transfer_bandwidth_bytes_per_second",
+}
+
+
+def test_the_kv_transfer_row_plots_every_kv_metric() -> None:
+    assert {name for name in EXPORTED if name.startswith("pdproxy_kv_")} >= KV_FAMILIES
+    rows = [p for p in DASHBOARD["panels"] if p["type"] == "row"]
+    [row] = [r for r in rows if r["title"] == "KV transfer"]
+    below = [
+        p
+        for p in DASHBOARD["panels"]
+        if p["type"] != "row" and p["gridPos"]["y"] > row["gridPos"]["y"]
+    ]
+    used = set().union(*(referenced(t["expr"])[0] for p in below for t in p["targets"]))
+    assert used == KV_FAMILIES
+    by_pair = [
+        t["expr"] for p in below for t in p["targets"] if "by (prefill, decode)" in t["expr"]
+    ]
+    assert len(by_pair) == 2  # bytes/s and bandwidth, one series per pair
 
 
 def test_a_live_scrape_matches_the_registry(fleet_factory: FleetFactory) -> None:
@@ -188,8 +207,20 @@ def test_a_live_scrape_matches_the_registry(fleet_factory: FleetFactory) -> None
     )
     with urllib.request.urlopen(request, timeout=30) as response:
         assert response.status == 200
-    with urllib.request.urlopen(fleet.proxy_url + "/metrics", timeout=10) as response:
-        text = response.read().decode()
+
+    def scrape() -> str:
+        with urllib.request.urlopen(fleet.proxy_url + "/metrics", timeout=10) as response:
+            text: str = response.read().decode()
+        return text
+
+    # The fake workers report the request's KV transfer a moment after it was answered.
+    wait_until(
+        lambda: 'pdproxy_kv_transfers_total{outcome="ok"} 1.0' in scrape(),
+        15,
+        "the KV transfer to be counted",
+        fleet.processes(),
+    )
+    text = scrape()
     seen: dict[str, set[str]] = {}
     for family in text_string_to_metric_families(text):
         for sample in family.samples:

@@ -150,27 +150,27 @@ def test_decode_5xx_is_502_naming_role_and_instance(fleet: LocalFleet) -> None:
     assert_openai_error(answer, 502, "decode", decode.http_address, "503")
 
 
-def test_prefill_timeout_is_502(fleet: LocalFleet) -> None:
+def test_prefill_timeout_is_504(fleet: LocalFleet) -> None:
     prefill = fleet.role("P")[0]
     set_behaviour(prefill, delay_ms=6000)
     started = time.monotonic()
     answer = post_json(fleet.proxy_url + "/v1/completions", GOOD)
-    assert_openai_error(answer, 502, "prefill", prefill.http_address, "within 1s")
+    assert_openai_error(answer, 504, "prefill", prefill.http_address, "within 1s")
     assert time.monotonic() - started < 5.5  # the 1 s bound fired, not the fake's own delay
 
 
-def test_decode_first_byte_timeout_is_502(fleet: LocalFleet) -> None:
+def test_decode_first_byte_timeout_is_504(fleet: LocalFleet) -> None:
     decode = fleet.role("D")[0]
     set_behaviour(decode, delay_ms=3000)
     answer = post_json(fleet.proxy_url + "/v1/completions", dict(GOOD, stream=True))
-    assert_openai_error(answer, 502, "decode", decode.http_address, "first byte")
+    assert_openai_error(answer, 504, "decode", decode.http_address, "first byte")
 
 
-def test_non_streaming_decode_timeout_is_502(fleet: LocalFleet) -> None:
+def test_non_streaming_decode_timeout_is_504(fleet: LocalFleet) -> None:
     decode = fleet.role("D")[0]
     set_behaviour(decode, delay_ms=3000)
     answer = post_json(fleet.proxy_url + "/v1/completions", GOOD)
-    assert_openai_error(answer, 502, "decode", decode.http_address, "no answer within 1s")
+    assert_openai_error(answer, 504, "decode", decode.http_address, "no answer within 1s")
 
 
 def test_request_timeout_is_504(fleet_factory: FleetFactory) -> None:
@@ -197,6 +197,25 @@ def test_slow_upload_is_408(fleet_factory: FleetFactory) -> None:
         )  # ... and the rest never comes
         head = read_until(sock, b"\r\n\r\n", timeout=8)
     assert head.startswith(b"HTTP/1.1 408 ")
+
+
+def test_a_body_trickling_past_the_body_timeout_is_408_and_frees_its_slot(
+    fleet_factory: FleetFactory,
+) -> None:
+    fleet = fleet_factory(
+        [WorkerSpec("P"), WorkerSpec("D")],
+        proxy_args=["--body-timeout", "1", "--max-inflight-requests", "1"],
+    )
+    parts = urlsplit(fleet.proxy_url)
+    with socket.create_connection((parts.hostname, parts.port), timeout=10) as sock:
+        sock.sendall(
+            b"POST /v1/completions HTTP/1.1\r\nHost: x\r\nContent-Type: application/json\r\n"
+            b'Content-Length: 100\r\n\r\n{"model": '
+        )
+        head = read_until(sock, b"\r\n\r\n", timeout=8)
+    assert head.startswith(b"HTTP/1.1 408 ")
+    # The one admission slot is free again: the next request is served.
+    assert post_json(fleet.proxy_url + "/v1/completions", GOOD).status == 200
 
 
 def test_prefill_4xx_passes_through(fleet: LocalFleet) -> None:

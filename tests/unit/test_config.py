@@ -82,6 +82,7 @@ SAMPLES: dict[str, tuple[str, Any]] = {
     "decode_timeout": ("42", 42.0),
     "stream_idle_timeout": ("13", 13.0),
     "request_timeout": ("14", 14.0),
+    "body_timeout": ("9", 9.0),
     "retry_after_seconds": ("3", 3),
     "upstream_max_connections": ("16", 16),
     "backlog": ("512", 512),

@@ -170,3 +170,15 @@ def test_invariants_hold_under_any_sequence(events: list[tuple[str, str, float]]
             assert 0 < status.ejected_for_seconds <= 40.0
         for other in {"a", "b", "c"} - ejected:
             assert detector.status(other, now).circuit is not Circuit.OPEN
+
+
+def test_legs_begun_before_an_ejection_neither_close_nor_reopen_it() -> None:
+    detector = OutlierDetector(POLICY)
+    fail(detector, "a", 0.0, 3)  # ejected at 0 for 10 s
+    detector.ejected(10.0)
+    detector.success("a", "prefill", 10.5, began=-1.0)  # a long stream sent before it
+    assert detector.status("a", 10.5).circuit is Circuit.HALF_OPEN
+    assert not detector.failure("a", "prefill", 10.6, 4, began=-0.5)
+    assert detector.status("a", 10.6).circuit is Circuit.HALF_OPEN
+    detector.success("a", "prefill", 11.0, began=10.2)
+    assert detector.status("a", 11.0).circuit is Circuit.CLOSED

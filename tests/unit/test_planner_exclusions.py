@@ -105,7 +105,7 @@ def test_the_cap_is_never_exceeded(steps: list[tuple[bool, int]], cap: int) -> N
     held: list[Pair] = []
     for plan, pick in steps:
         if plan:
-            result = planner.plan(SNAPSHOT, rq("m"), excluded=planner.full)
+            result = planner.plan(SNAPSHOT, rq("m"), busy=planner.full)
             if isinstance(result, Pair):
                 held.append(result)
         elif held:
@@ -116,3 +116,15 @@ def test_the_cap_is_never_exceeded(steps: list[tuple[bool, int]], cap: int) -> N
             busy = planner.inflight.get(instance.http_address).requests
             assert busy <= cap
             assert (instance.name in planner.full) == (busy >= cap)
+
+
+def test_busy_instances_are_never_a_fallback_and_the_routing_index_stays() -> None:
+    planner = Planner(LeastLoaded(), LeastLoaded())
+    index = planner.index(SNAPSHOT)
+    busy = names(p(1), p(2), p(3))
+    result = planner.plan(SNAPSHOT, rq("m"), busy=busy, avoid=names(d(1)))
+    assert isinstance(result, NoPair)
+    for _ in range(20):
+        prefill, decode = chosen(planner.plan(SNAPSHOT, rq("m"), busy=names(p(1), d(2))))
+        assert prefill != p(1).name and decode == d(1).name
+    assert planner.index(SNAPSHOT) is index

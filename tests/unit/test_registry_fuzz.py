@@ -41,6 +41,8 @@ from pdproxy.registry.messages import (
     MAX_DTYPE_NAME,
     MAX_MODEL_NAME,
     MAX_TP_SIZE,
+    MAX_TRANSFER_COUNT,
+    MAX_TRANSFERS,
     Announcement,
     Connector,
     Leave,
@@ -48,6 +50,8 @@ from pdproxy.registry.messages import (
     Reason,
     Rejected,
     Role,
+    Stats,
+    TransferOutcome,
     decode_frame,
     unpack_frame,
 )
@@ -153,6 +157,9 @@ def assert_valid_message(message: Message) -> None:
     if isinstance(message, Leave):
         assert_valid_address_parts(message.http_address.host, message.http_address.port)
         return
+    if isinstance(message, Stats):
+        assert_valid_stats(message)
+        return
     assert message.version in (0, 1)
     assert message.role in (Role.PREFILL, Role.DECODE)
     for address in (message.http_address, message.zmq_address):
@@ -179,6 +186,18 @@ def assert_valid_message(message: Message) -> None:
             assert value is None or (type(value) is int and value >= 0)
         usage = load.kv_usage
         assert usage is None or (type(usage) is float and 0.0 <= usage <= 1.0)
+
+
+def assert_valid_stats(message: Stats) -> None:
+    assert_valid_address_parts(message.http_address.host, message.http_address.port)
+    assert type(message.ranks) is int and 0 <= message.rank < message.ranks <= MAX_TP_SIZE
+    assert len(message.transfers) <= MAX_TRANSFERS
+    for transfer in message.transfers:
+        assert_valid_address_parts(transfer.peer.host, transfer.peer.port)
+        for number in (transfer.bytes, transfer.blocks):
+            assert type(number) is int and 0 <= number <= MAX_TRANSFER_COUNT
+        assert type(transfer.seconds) is float and 0 <= transfer.seconds < math.inf
+        assert isinstance(transfer.outcome, TransferOutcome)
 
 
 def assert_valid_address_parts(host: str, port: int) -> None:
@@ -314,11 +333,24 @@ LOAD_MAPS = st.fixed_dictionaries(
         "kv_usage": plausible_or_nasty(st.floats(0.0, 1.0)),
     },
 )
+TRANSFER_IDS = st.sampled_from([f"{n:032x}-0" for n in range(3)])
+OUTCOMES = st.sampled_from([o.value for o in TransferOutcome])
+TRANSFER_MAPS = st.fixed_dictionaries(
+    {},
+    optional={
+        "id": plausible_or_nasty(TRANSFER_IDS),
+        "peer": plausible_or_nasty(ADDRESSES),
+        "bytes": plausible_or_nasty(st.integers(0, 10**6)),
+        "blocks": plausible_or_nasty(st.integers(0, 64)),
+        "seconds": plausible_or_nasty(st.floats(0, 10)),
+        "outcome": plausible_or_nasty(OUTCOMES),
+    },
+)
 NEAR_VALID_FIELDS = st.fixed_dictionaries(
     {},
     optional={
         "v": plausible_or_nasty(st.sampled_from([0, 1, 1, 1])),
-        "op": plausible_or_nasty(st.sampled_from(["announce", "announce", "leave"])),
+        "op": plausible_or_nasty(st.sampled_from(["announce", "announce", "leave", "stats"])),
         "type": plausible_or_nasty(st.sampled_from(["P", "D"])),
         "http_address": plausible_or_nasty(ADDRESSES),
         "zmq_address": plausible_or_nasty(ADDRESSES),
@@ -328,6 +360,9 @@ NEAR_VALID_FIELDS = st.fixed_dictionaries(
         "load": plausible_or_nasty(LOAD_MAPS),
         "healthy": plausible_or_nasty(st.booleans()),
         "stats": JUNK,
+        "rank": plausible_or_nasty(st.integers(0, 2)),
+        "ranks": plausible_or_nasty(st.integers(1, 2)),
+        "transfers": plausible_or_nasty(st.lists(plausible_or_nasty(TRANSFER_MAPS), max_size=3)),
         "auth": JUNK,
     },
 )
@@ -357,6 +392,29 @@ VALID_MESSAGES = st.fixed_dictionaries(
     },
 )
 LEAVES = st.fixed_dictionaries({"v": st.just(1), "op": st.just("leave"), "http_address": ADDRESSES})
+STATS = st.fixed_dictionaries(
+    {
+        "v": st.just(1),
+        "op": st.just("stats"),
+        "type": st.sampled_from(["P", "D"]),
+        "http_address": ADDRESSES,
+        "rank": st.just(0),
+        "ranks": st.just(1),
+        "transfers": st.lists(
+            st.fixed_dictionaries(
+                {
+                    "id": TRANSFER_IDS,
+                    "peer": ADDRESSES,
+                    "bytes": st.integers(0, 10**6),
+                    "blocks": st.integers(0, 64),
+                    "seconds": st.floats(0, 10),
+                    "outcome": OUTCOMES,
+                }
+            ),
+            max_size=3,
+        ),
+    }
+)
 
 EDIT_KINDS = ("truncate", "overwrite", "insert", "delete")
 EDITS = st.lists(
@@ -387,6 +445,7 @@ SINGLE_FRAMES = st.one_of(
     NEAR_VALID.map(pack),
     VALID_MESSAGES.map(pack),
     LEAVES.map(pack),
+    STATS.map(pack),
     GARBLED,
     st.binary(max_size=512),
     JUNK.map(pack),
@@ -538,7 +597,7 @@ TAMPERINGS: tuple[tuple[Tamper, Reason], ...] = (
 
 def spends_a_nonce(decoded: Message | Reason) -> bool:
     """Whether the verifier judges this message (v1 announce or leave; never v0)."""
-    if isinstance(decoded, Leave):
+    if isinstance(decoded, Leave | Stats):
         return True
     return isinstance(decoded, Announcement) and decoded.version == 1
 

@@ -551,3 +551,41 @@ def test_counts_follow_every_path() -> None:
     assert t.count(Role.DECODE) == 2
     t.expire(now=TTL + 5)
     assert (t.count(Role.PREFILL), t.count(Role.DECODE)) == (0, 1)  # the static one stays
+
+
+# -- finding an instance by either of its addresses (KV transfer peers) ----------------------
+
+
+def test_lookup_by_http_then_by_zmq_address_in_a_role() -> None:
+    table = RegistryTable(TTL, 10)
+    table.announce(v1(1), 0.0)
+    table.announce(v1(2, Role.DECODE), 0.0)
+    assert table.get(http(1)) is not None and table.get(http(9)) is None
+    assert table.lookup(http(1), Role.PREFILL) == table.get(http(1))
+    assert table.lookup(zmq(1), Role.PREFILL) == table.get(http(1))
+    assert table.lookup(zmq(2), Role.DECODE) == table.get(http(2))
+    assert table.lookup(zmq(1), Role.DECODE) is None  # a prefill is not a decode
+    assert table.lookup(Address("10.0.0.1", 9), Role.PREFILL) is None
+
+
+def test_the_zmq_index_follows_moves_leaves_and_expiry() -> None:
+    table = RegistryTable(TTL, 10)
+    table.announce(v1(1), 0.0)
+    table.announce(v1(1, zmq_address=zmq(7)), 1.0)  # moved its KV port
+    assert table.lookup(zmq(1), Role.PREFILL) is None
+    assert table.lookup(zmq(7), Role.PREFILL) == table.get(http(1))
+    table.remove(http(1))
+    assert table.lookup(zmq(7), Role.PREFILL) is None
+    table.announce(v1(3), 2.0)
+    table.expire(2.0 + TTL + 1)
+    assert table.lookup(zmq(3), Role.PREFILL) is None
+
+
+def test_two_instances_announcing_one_zmq_address_are_both_found_by_role() -> None:
+    table = RegistryTable(TTL, 10)
+    table.announce(v1(1, zmq_address=zmq(5)), 0.0)
+    table.announce(v1(2, Role.DECODE, zmq_address=zmq(5)), 0.0)
+    assert table.lookup(zmq(5), Role.PREFILL) == table.get(http(1))
+    assert table.lookup(zmq(5), Role.DECODE) == table.get(http(2))
+    table.remove(http(1))
+    assert table.lookup(zmq(5), Role.DECODE) == table.get(http(2))

@@ -19,6 +19,9 @@ wrongly, sends a leg to the wrong instance, garbles kv_transfer_params or pairs 
 instances gets a loud HTTP 500 and a kv_failed event instead of a silent success. A decode
 asked for no KV computes the prompt itself (a computed_locally event).
 
+A worker announcing in v1 also reports each handoff's statistics to the registry with the "stats"
+op, as every TP rank of a PdproxyConnector instance does (kv_stats).
+
 Endpoints under /_fake/ let tests in other processes see what arrived (requests, KV traffic,
 aborts), inject failures and force the announced load (POST /_fake/load). Times are
 `time.monotonic()` ("time", comparable between processes on one machine) plus `time.time()`

@@ -13,6 +13,7 @@ from collections import OrderedDict
 from dataclasses import dataclass
 
 from pdproxy.testing.fake_worker.kv_payload import KvPayload
+from pdproxy.testing.fake_worker.kv_stats import StatsKey
 from pdproxy.testing.fake_worker.kv_wire import Pull, PullReply
 
 HELD_LIMIT = 10_000
@@ -23,6 +24,7 @@ class HeldKv:
     payload: KvPayload
     block_ids: tuple[int, ...]
     held_at: float  # monotonic
+    stats: StatsKey | None = None  # how the transfer is reported once read (None: not at all)
 
 
 class HeldTransfers:
@@ -35,10 +37,12 @@ class HeldTransfers:
         self._items: OrderedDict[str, HeldKv] = OrderedDict()  # oldest first
         self._next_block = itertools.count()
 
-    def hold(self, transfer_id: str, payload: KvPayload, blocks: int) -> HeldKv:
+    def hold(
+        self, transfer_id: str, payload: KvPayload, blocks: int, stats: StatsKey | None = None
+    ) -> HeldKv:
         """Keep `payload` under fresh block ids (as a prefill's KV sits in its own blocks)."""
         now = time.monotonic()
-        held = HeldKv(payload, tuple(itertools.islice(self._next_block, blocks)), now)
+        held = HeldKv(payload, tuple(itertools.islice(self._next_block, blocks)), now, stats)
         self._items.pop(transfer_id, None)
         self._items[transfer_id] = held
         self._prune(now)
@@ -51,12 +55,13 @@ class HeldTransfers:
                 break
             self._items.popitem(last=False)
 
-    def answer(self, pull: Pull) -> PullReply:
-        """The reply to a decode's pull; a transfer served once is gone."""
+    def answer(self, pull: Pull) -> tuple[PullReply, HeldKv | None]:
+        """The reply to a decode's pull, and the KV it serves (None: refused); a transfer
+        served once is gone."""
         self._prune(time.monotonic())
 
-        def refuse(error: str) -> PullReply:
-            return PullReply(pull.transfer_id, self.engine_id, None, error)
+        def refuse(error: str) -> tuple[PullReply, None]:
+            return PullReply(pull.transfer_id, self.engine_id, None, error), None
 
         if pull.engine_id != self.engine_id:
             return refuse("engine_id_mismatch")  # meant for another prefill: leave ours alone
@@ -66,4 +71,4 @@ class HeldTransfers:
         if held.block_ids != pull.block_ids:
             return refuse("block_ids_mismatch")
         del self._items[pull.transfer_id]
-        return PullReply(pull.transfer_id, self.engine_id, held.payload, None)
+        return PullReply(pull.transfer_id, self.engine_id, held.payload, None), held

@@ -17,6 +17,7 @@ import zmq.asyncio
 
 from pdproxy.testing.fake_worker.config import WorkerConfig
 from pdproxy.testing.fake_worker.generation import Generation
+from pdproxy.testing.fake_worker.http_json import ApiError
 from pdproxy.testing.fake_worker.kv_accept import accept, kv_failure
 from pdproxy.testing.fake_worker.kv_held import HeldTransfers
 from pdproxy.testing.fake_worker.kv_params import (
@@ -27,6 +28,7 @@ from pdproxy.testing.fake_worker.kv_params import (
 )
 from pdproxy.testing.fake_worker.kv_payload import compute_payload
 from pdproxy.testing.fake_worker.kv_push_flow import engine_request_id
+from pdproxy.testing.fake_worker.kv_stats import KvStats, StatsKey, payload_size
 from pdproxy.testing.fake_worker.kv_transport import pull_kv
 from pdproxy.testing.fake_worker.kv_wire import Pull, PullReply, WireError
 from pdproxy.testing.fake_worker.records import Records, stamp
@@ -46,11 +48,13 @@ class PullFlow:
         held: HeldTransfers,
         ctx: zmq.asyncio.Context,
         records: Records,
+        stats: KvStats,
     ) -> None:
         self.cfg = cfg
         self.held = held
         self.ctx = ctx
         self.records = records
+        self.stats = stats
 
     def hold(
         self, request_id: str, header_id: str | None, generation: Generation
@@ -59,7 +63,9 @@ class PullFlow:
         # Keyed like vLLM's remote_request_id: the prefill engine's own id for the request.
         transfer_id = engine_request_id(header_id or uuid.uuid4().hex, generation.chat)
         blocks = max(1, math.ceil(generation.prompt_tokens / self.cfg.geometry.block_size))
-        held = self.held.hold(transfer_id, compute_payload(self.cfg, generation), blocks)
+        payload = compute_payload(self.cfg, generation)
+        # The prefill reports the transfer when a decode reads it (kv_transport.serve_kv).
+        held = self.held.hold(transfer_id, payload, blocks, self.stats.key(header_id, generation))
         self.records.add(
             "kv_held",
             {"request_id": request_id, "transfer_id": transfer_id, "blocks": blocks, **stamp()},
@@ -80,8 +86,12 @@ class PullFlow:
                 f"fake decode {self.cfg.kv}: unusable kv_transfer_params for request "
                 f"{request_id}: {err}",
             ) from None
-        reply = await self._pull(request_id, remote)
+        key = self.stats.key(request_id, generation)
+        started = self.stats.clock()
+        reply = await self._pull(request_id, remote, key, started)
+        peer = str(remote.kv)
         if reply.engine_id != remote.engine_id:
+            self.stats.failed(key, peer, "engine_id_mismatch", 0, started)
             raise kv_failure(
                 self.records,
                 request_id,
@@ -93,6 +103,7 @@ class PullFlow:
         if reply.payload is None:
             assert reply.error is not None
             why = REFUSALS.get(reply.error, reply.error)
+            self.stats.failed(key, peer, reply.error, 0, started)
             raise kv_failure(
                 self.records,
                 request_id,
@@ -101,9 +112,17 @@ class PullFlow:
                 f"{request_id}: {why}",
             )
         source = f"prefill {remote.kv} (engine {remote.engine_id})"
-        accept(self.cfg, self.records, request_id, source, reply.payload, generation)
+        size = payload_size(reply.payload)
+        try:
+            accept(self.cfg, self.records, request_id, source, reply.payload, generation)
+        except ApiError:
+            self.stats.report(key, peer, "error", size, started)  # it arrived, unusable
+            raise
+        self.stats.report(key, peer, "ok", size, started)
 
-    async def _pull(self, request_id: str, remote: RemotePrefill) -> PullReply:
+    async def _pull(
+        self, request_id: str, remote: RemotePrefill, key: StatsKey | None, started: float
+    ) -> PullReply:
         pull = Pull(remote.transfer_id, remote.engine_id, remote.block_ids, str(self.cfg.kv))
         try:
             return await pull_kv(self.ctx, str(remote.kv), pull, self.cfg.kv_timeout_s)
@@ -113,6 +132,7 @@ class PullFlow:
             reason, why = "pull_error", f"ZMQ error {err}"
         except WireError as err:
             reason, why = "bad_reply", f"bad answer: {err}"
+        self.stats.failed(key, str(remote.kv), reason, 0, started)
         raise kv_failure(
             self.records,
             request_id,

@@ -16,8 +16,10 @@ import zmq
 from pdproxy.ids import VLLM_DECODE_SIDE, VLLM_PREFILL_SIDE
 from pdproxy.testing.fake_worker.config import WorkerConfig
 from pdproxy.testing.fake_worker.generation import Generation
+from pdproxy.testing.fake_worker.http_json import ApiError
 from pdproxy.testing.fake_worker.kv_accept import accept, kv_failure
 from pdproxy.testing.fake_worker.kv_payload import compute_payload
+from pdproxy.testing.fake_worker.kv_stats import KvStats, payload_size
 from pdproxy.testing.fake_worker.kv_store import KvStore
 from pdproxy.testing.fake_worker.kv_transport import KvSender
 from pdproxy.testing.fake_worker.kv_wire import Push, WireError
@@ -40,12 +42,18 @@ class PushFlow:
     """One worker's side of the p2p_nccl handoff: pushing (P) or awaiting and checking (D)."""
 
     def __init__(
-        self, cfg: WorkerConfig, store: KvStore, sender: KvSender, records: Records
+        self,
+        cfg: WorkerConfig,
+        store: KvStore,
+        sender: KvSender,
+        records: Records,
+        stats: KvStats,
     ) -> None:
         self.cfg = cfg
         self.store = store
         self.sender = sender
         self.records = records
+        self.stats = stats
 
     def decode_address(self, header_id: str | None, chat: bool) -> str | None:
         """P: where the id says to push, if it is tagged."""
@@ -62,24 +70,34 @@ class PushFlow:
         return None if prefill is None else (engine_id, prefill)
 
     async def push(self, request_id: str, decode: str, generation: Generation) -> None:
+        key = self.stats.key(request_id, generation)
+        started = self.stats.clock()
         message = Push(request_id, self.sender.own_address, compute_payload(self.cfg, generation))
         try:
             await self.sender.push(decode, message, self.cfg.kv_timeout_s)
         except (zmq.ZMQError, TimeoutError, WireError) as err:
             reason = "send_timeout" if isinstance(err, TimeoutError) else "send_error"
+            self.stats.failed(key, decode, reason, 0, started)
             raise kv_failure(
                 self.records,
                 request_id,
                 reason,
                 f"fake prefill: cannot push KV for request {request_id} to decode {decode}",
             ) from None
-        self.records.add("kv_sent", {"request_id": request_id, "to": decode, **stamp()})
+        size = payload_size(message.payload)
+        self.stats.report(key, decode, "ok", size, started)
+        self.records.add(
+            "kv_sent", {"request_id": request_id, "to": decode, "bytes": size, **stamp()}
+        )
 
     async def await_kv(
         self, request_id: str, engine_id: str, prefill: str, generation: Generation
     ) -> None:
+        key = self.stats.key(request_id, generation)
+        started = self.stats.clock()
         item = await self.store.wait(request_id, self.cfg.kv_timeout_s)
         if item is None:
+            self.stats.failed(key, prefill, "timeout", 0, started)
             message = (
                 f"fake decode: no KV for request {request_id} from prefill {prefill} "
                 f"within {self.cfg.kv_timeout_s}s"
@@ -88,7 +106,9 @@ class PushFlow:
             if named_decode is not None and named_decode != str(self.cfg.kv):
                 message += f" (the id names decode {named_decode}, this worker is {self.cfg.kv})"
             raise kv_failure(self.records, request_id, "timeout", message)
+        size = payload_size(item.payload)
         if item.sender != prefill:
+            self.stats.failed(key, prefill, "wrong_sender", size, started)
             raise kv_failure(
                 self.records,
                 request_id,
@@ -96,4 +116,11 @@ class PushFlow:
                 f"fake decode: KV for request {request_id} came from {item.sender}, "
                 f"but the request id names prefill {prefill}",
             )
-        accept(self.cfg, self.records, request_id, f"prefill {prefill}", item.payload, generation)
+        try:
+            accept(
+                self.cfg, self.records, request_id, f"prefill {prefill}", item.payload, generation
+            )
+        except ApiError:
+            self.stats.report(key, prefill, "error", size, started)  # it arrived, unusable
+            raise
+        self.stats.report(key, prefill, "ok", size, started)

@@ -13,6 +13,7 @@ import zmq
 import zmq.asyncio
 
 from pdproxy.testing.fake_worker.kv_held import HeldTransfers
+from pdproxy.testing.fake_worker.kv_stats import KvStats, payload_size
 from pdproxy.testing.fake_worker.kv_store import KvItem, KvStore
 from pdproxy.testing.fake_worker.kv_wire import (
     MAX_KV_MESSAGE_BYTES,
@@ -39,7 +40,11 @@ def kv_socket(ctx: zmq.asyncio.Context, kind: int) -> zmq.asyncio.Socket:
 
 
 async def serve_kv(
-    sock: zmq.asyncio.Socket, store: KvStore, held: HeldTransfers, records: Records
+    sock: zmq.asyncio.Socket,
+    store: KvStore,
+    held: HeldTransfers,
+    records: Records,
+    stats: KvStats,
 ) -> None:
     """Handle [peer identity, frame] messages on the KV port's ROUTER, forever."""
     while True:
@@ -60,12 +65,15 @@ async def serve_kv(
                 {"request_id": message.request_id, "sender": message.sender, **stamp()},
             )
         elif isinstance(message, Pull):
-            reply = held.answer(message)
+            started = stats.clock()
+            reply, served = held.answer(message)
             entry = {"transfer_id": message.transfer_id, "requester": message.requester}
-            if reply.error is None:
-                records.add("kv_served", {**entry, **stamp()})
-            else:
+            if reply.error is not None:
                 records.kv_failed(reply.error, **entry)
+            elif served is not None:
+                size = payload_size(served.payload)
+                stats.report(served.stats, message.requester, "ok", size, started)
+                records.add("kv_served", {**entry, "bytes": size, **stamp()})
             # A ROUTER never blocks: a reply to a peer that went away is dropped.
             await sock.send_multipart([identity, encode(reply)])
         else:

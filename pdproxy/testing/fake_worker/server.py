@@ -39,6 +39,7 @@ async def run_worker(cfg: WorkerConfig) -> int:
     async with contextlib.AsyncExitStack() as stack:
         # Unwound in reverse order; the context goes last, after every socket is closed.
         stack.callback(ctx.term)
+        stack.callback(worker.kv_stats.stop)  # sends what is still queued (own ZMQ contexts)
         stack.callback(worker.kv_sender.close)
         for signum in (signal.SIGTERM, signal.SIGINT):
             loop.add_signal_handler(signum, stop.set)
@@ -63,7 +64,9 @@ async def run_worker(cfg: WorkerConfig) -> int:
             print(f"fake-worker: cannot bind: {err}", file=sys.stderr)
             return 1
 
-        serving = serve_kv(kv_router, worker.kv_store, worker.kv_held, worker.records)
+        serving = serve_kv(
+            kv_router, worker.kv_store, worker.kv_held, worker.records, worker.kv_stats
+        )
         stack.push_async_callback(cancel_task, loop.create_task(serving))
         if cfg.proxy is not None:
             await start_announcing(stack, ctx, cfg, worker.load.announced)

@@ -20,6 +20,7 @@ from pdproxy.testing.fake_worker.kv_held import HeldTransfers
 from pdproxy.testing.fake_worker.kv_params import request_params
 from pdproxy.testing.fake_worker.kv_pull_flow import PullFlow
 from pdproxy.testing.fake_worker.kv_push_flow import PushFlow
+from pdproxy.testing.fake_worker.kv_stats import KvStats
 from pdproxy.testing.fake_worker.kv_store import KvStore
 from pdproxy.testing.fake_worker.kv_transport import KvSender
 from pdproxy.testing.fake_worker.load import LoadTracker, Share
@@ -43,11 +44,12 @@ class FakeWorker:
         self.kv_store = KvStore()
         self.kv_held = HeldTransfers(self.engine_id, cfg.kv_timeout_s)
         self.kv_sender = KvSender(ctx, str(cfg.kv))
+        self.kv_stats = KvStats.connect(cfg)  # stopped by run_worker
         self.kv_handoff = KvHandoff(
             cfg,
             self.records,
-            PushFlow(cfg, self.kv_store, self.kv_sender, self.records),
-            PullFlow(cfg, self.kv_held, ctx, self.records),
+            PushFlow(cfg, self.kv_store, self.kv_sender, self.records, self.kv_stats),
+            PullFlow(cfg, self.kv_held, ctx, self.records, self.kv_stats),
         )
         self.started = int(time.time())
 
