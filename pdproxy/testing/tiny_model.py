@@ -1,10 +1,13 @@
-"""Write a tiny Llama model directory that real vLLM serves with `--load-format dummy`.
+"""Write a tiny Llama model directory that real vLLM serves: config, tokenizer and weights.
 
-Runs inside the vLLM venv (it needs the `tokenizers` library, which pdproxy does not depend
-on). Nothing is downloaded: the config is written by hand and a byte-level BPE tokenizer is
-trained here, offline, on generated text, to exactly the model's vocabulary size, so every id
-the model can sample decodes to text. The tokenizer carries a chat template so
-/v1/chat/completions works.
+Runs inside the vLLM venv (it needs `tokenizers`, `torch` and `safetensors`, which pdproxy
+does not depend on). Nothing is downloaded: the config is written by hand, and a byte-level
+BPE tokenizer is trained here, offline, on generated text, to exactly the model's vocabulary
+size, so every id the model can sample decodes to text. The tokenizer carries a chat template
+so /v1/chat/completions works. The weights are seeded random normals, scaled so that the next
+token really depends on the whole prompt: vLLM's `--load-format dummy` weights are so small
+that every logit is about equal, and an answer computed from wrong KV would look the same as
+one computed from the right KV.
 
     python -m pdproxy.testing.tiny_model DIR
 """
@@ -97,6 +100,44 @@ def write_tiny_model(directory: Path) -> None:
     _write_json(directory / "config.json", MODEL_CONFIG)
     generation = {"bos_token_id": 0, "eos_token_id": 1, "do_sample": False}
     _write_json(directory / "generation_config.json", generation)
+    _write_weights(directory / "model.safetensors")
+
+
+def _write_weights(path: Path, seed: int = 11) -> None:
+    import torch
+    from safetensors.torch import save_file
+
+    config = MODEL_CONFIG
+    hidden, inner = config["hidden_size"], config["intermediate_size"]
+    head_dim = config["head_dim"]
+    q_out = config["num_attention_heads"] * head_dim
+    kv_out = config["num_key_value_heads"] * head_dim
+    generator = torch.Generator().manual_seed(seed)
+
+    def normal(rows: int, cols: int, scale: float) -> torch.Tensor:
+        return torch.randn(rows, cols, generator=generator) * scale
+
+    fan = hidden**-0.5
+    weights = {
+        "model.embed_tokens.weight": normal(VOCAB_SIZE, hidden, 1.0),
+        "model.norm.weight": torch.ones(hidden),
+        "lm_head.weight": normal(VOCAB_SIZE, hidden, 4 * fan),
+    }
+    for layer in range(config["num_hidden_layers"]):
+        prefix = f"model.layers.{layer}."
+        # Sharp attention (large q and k) makes every position's KV matter to the answer.
+        weights |= {
+            prefix + "self_attn.q_proj.weight": normal(q_out, hidden, 3 * fan),
+            prefix + "self_attn.k_proj.weight": normal(kv_out, hidden, 3 * fan),
+            prefix + "self_attn.v_proj.weight": normal(kv_out, hidden, fan),
+            prefix + "self_attn.o_proj.weight": normal(hidden, q_out, fan),
+            prefix + "mlp.gate_proj.weight": normal(inner, hidden, fan),
+            prefix + "mlp.up_proj.weight": normal(inner, hidden, fan),
+            prefix + "mlp.down_proj.weight": normal(hidden, inner, inner**-0.5),
+            prefix + "input_layernorm.weight": torch.ones(hidden),
+            prefix + "post_attention_layernorm.weight": torch.ones(hidden),
+        }
+    save_file({name: tensor.contiguous() for name, tensor in weights.items()}, str(path))
 
 
 def _write_json(path: Path, value: object) -> None:

@@ -81,6 +81,8 @@ class VllmServer:
     registry: str | None = None  # "host:port" of the pdproxy registry to announce to
     cpu: str = "0"  # VLLM_CPU_OMP_THREADS_BIND
     announce_interval_s: float = 1.0
+    connector_extra: dict[str, Any] = field(default_factory=dict)  # kv_timeout, on_missing_kv...
+    block_size: int | None = None  # vLLM's own default (128 on CPU) when None
     process: ManagedProcess | None = field(default=None, init=False)
 
     @property
@@ -113,6 +115,7 @@ class VllmServer:
         if self.registry is not None:
             host, port = self.registry.rsplit(":", 1)
             extra |= {"proxy_ip": host, "proxy_port": int(port)}
+        extra |= self.connector_extra
         return {
             "kv_connector": "PdproxyConnector",
             "kv_connector_module_path": "pdproxy.worker.connector",
@@ -131,7 +134,7 @@ class VllmServer:
             "--served-model-name",
             MODEL_NAME,
             "--load-format",
-            "dummy",
+            "safetensors",
             "--dtype",
             "float32",
             "--max-model-len",
@@ -149,6 +152,7 @@ class VllmServer:
             str(self.http_port),
             "--kv-transfer-config",
             json.dumps(self.kv_transfer_config()),
+            *([] if self.block_size is None else ["--block-size", str(self.block_size)]),
         ]
 
     def environment(self) -> dict[str, str]:

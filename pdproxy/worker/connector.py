@@ -1,11 +1,16 @@
 """PdproxyConnector: a vLLM KV connector (KVConnectorBase_V1) loaded with
 `"kv_connector": "PdproxyConnector", "kv_connector_module_path": "pdproxy.worker.connector"`.
 
-Today it moves no KV: a decode instance recomputes the prompt. What it already does:
+It moves a tagged request's KV from the prefill instance named in its id to the decode
+instance named there, over TCP (pdproxy.worker.kv_transport), keyed by the engine id without
+vLLM's random suffix (pdproxy.worker.kv_keys), so it needs no
+VLLM_DISABLE_REQUEST_ID_RANDOMIZATION. An untagged request is computed locally. The decisions
+are in kv_schedule (scheduler side, pure) and kv_worker (worker side, torch); this class only
+wires them to vLLM's connector API. It also:
 - announces its instance to the pdproxy registry (v1, with the geometry read from the real
   VllmConfig and the load the scheduler shows it), and says goodbye on shutdown;
-- optionally records the engine-internal request ids and token counts it is shown
-  (`record_path`), which is how the tests see what real vLLM made of the proxy's ids.
+- optionally records the engine-internal request ids, token counts and transfers
+  (`record_path`), which is how the tests see what real vLLM did.
 
 vLLM builds one instance in the scheduler (engine core) and one per worker; only the scheduler's
 announces, so a TP group registers once.
@@ -14,28 +19,43 @@ announces, so a TP group registers once.
 from __future__ import annotations
 
 import logging
+from dataclasses import asdict, dataclass, field
 from typing import Any
 
 from vllm.distributed.kv_transfer.kv_connector.v1.base import (
     KVConnectorBase_V1,
     KVConnectorMetadata,
     KVConnectorRole,
+    KVConnectorTransferResults,
 )
 
-from pdproxy.worker.announcement import WorkerIdentity
+from pdproxy.pairing.geometry import KvGeometry, KvLayout
+from pdproxy.worker.announcement import TransferStat, WorkerGeometry, WorkerIdentity
 from pdproxy.worker.announcer import Announcer, LoadSample
 from pdproxy.worker.connector_settings import ConnectorSettings, connector_settings
+from pdproxy.worker.kv import CacheFormat
+from pdproxy.worker.kv_buffer import TransferBuffer
+from pdproxy.worker.kv_keys import transfer_key
+from pdproxy.worker.kv_schedule import ConsumerSchedule, LoadSpec, ProducerSchedule, SendSpec
+from pdproxy.worker.kv_transport import ZmqReceiver, ZmqSender
+from pdproxy.worker.kv_worker import ConsumerWorker, ProducerWorker, TransferRecord
 from pdproxy.worker.load_tracker import LoadTracker
 from pdproxy.worker.registry_client import RegistryClient
 from pdproxy.worker.request_log import RequestLog
 from pdproxy.worker.secret import read_secret_file
+from pdproxy.worker.stats_reporter import StatsReporter
 from pdproxy.worker.vllm_geometry import geometry_from_vllm_config
 
 log = logging.getLogger("pdproxy.worker")
 
 
+@dataclass
 class PdproxyConnectorMetadata(KVConnectorMetadata):  # type: ignore[misc]
-    """Nothing crosses from scheduler to workers yet."""
+    """What the scheduler tells the workers for one step."""
+
+    sends: list[SendSpec] = field(default_factory=list)
+    loads: list[LoadSpec] = field(default_factory=list)
+    cancelled: list[str] = field(default_factory=list)
 
 
 class PdproxyConnector(KVConnectorBase_V1):  # type: ignore[misc]
@@ -54,6 +74,19 @@ class PdproxyConnector(KVConnectorBase_V1):  # type: ignore[misc]
         self._log = None if path is None else RequestLog(path)
         self._load = LoadTracker()
         self._announcer: Announcer | None = None
+        self._geometry = geometry_from_vllm_config(vllm_config)
+        self._block_size = int(vllm_config.cache_config.block_size)
+        # Scheduler side: which request sends or loads what.
+        self._sending = ProducerSchedule()
+        self._loading = ConsumerSchedule(self._block_size)
+        # Worker side, built once the caches are known.
+        self._producer: ProducerWorker | None = None
+        self._consumer: ConsumerWorker | None = None
+        self._closers: list[Any] = []  # transport threads and the stats reporter
+        self._reporter: StatsReporter | None = None
+        if self._settings.on_missing_kv is not None:
+            # Read by vLLM's scheduler right after it built this connector.
+            transfer.kv_load_failure_policy = self._settings.on_missing_kv
         if self._is_scheduler and self._settings.announces:
             self._announcer = self._start_announcer(vllm_config)
 
@@ -96,7 +129,7 @@ class PdproxyConnector(KVConnectorBase_V1):  # type: ignore[misc]
         if self._log is not None:
             self._log.write(event, role=self._settings.role, **fields)
 
-    # -- worker side: no KV moves yet --------------------------------------------------------
+    # -- worker side ---------------------------------------------------------------------------
 
     def register_kv_caches(self, kv_caches: dict[str, Any]) -> None:
         self._record(
@@ -105,49 +138,192 @@ class PdproxyConnector(KVConnectorBase_V1):  # type: ignore[misc]
             shapes=sorted({str(tuple(t.shape)) for t in kv_caches.values()}),
             dtypes=sorted({str(t.dtype) for t in kv_caches.values()}),
         )
+        role = self._settings.role
+        geometry = _kv_geometry(self._geometry)
+        if role is None or geometry is None:
+            log.warning("pdproxy connector: no KV transfer (role %s, geometry %s)", role, geometry)
+            return
+        rank = _tp_rank()
+        cache_format = _cache_format()
+        settings = self._settings
+        self._reporter = self._start_reporter(rank, geometry.tp_size)
+        if role == "P":
+            address = f"{settings.host}:{settings.kv_port + rank}"
+            producer = ProducerWorker(rank, geometry, cache_format, address, self._transferred)
+            producer.register(kv_caches)
+            sender = ZmqSender(
+                producer.sent,
+                max_queued_bytes=settings.kv_send_queue_bytes,
+                send_timeout=settings.kv_send_timeout_s,
+                delay=settings.kv_send_delay_s,
+            )
+            producer.attach(sender)
+            self._producer = producer
+            self._closers.append(sender)
+            return
+        consumer = ConsumerWorker(
+            rank, self._block_size, cache_format, settings.kv_timeout_s, self._transferred
+        )
+        consumer.register(kv_caches)
+        buffer = TransferBuffer(settings.kv_buffer_bytes, settings.kv_buffer_ttl_s)
+        receiver = ZmqReceiver(settings.host, settings.kv_port + rank, buffer)
+        consumer.attach(receiver)
+        self._consumer = consumer
+        self._closers.append(receiver)
+        log.info("pdproxy connector: rank %d receives KV on port %d", rank, settings.kv_port + rank)
+
+    def _start_reporter(self, rank: int, ranks: int) -> StatsReporter | None:
+        """Each rank reports its own transfers; the proxy counts a transfer once every rank of
+        the receiving side did (as vLLM's KVOutputAggregator counts ranks)."""
+        settings = self._settings
+        if not settings.announces:
+            return None
+        assert settings.registry is not None and settings.http_address is not None
+        assert settings.role is not None
+        secret_file = settings.registry_secret_file
+        secret = None if secret_file is None else read_secret_file(secret_file)
+        reporter = StatsReporter.connect(
+            settings.registry, settings.role, settings.http_address, rank, ranks, secret
+        )
+        self._closers.append(reporter)
+        return reporter
+
+    def _transferred(self, record: TransferRecord) -> None:
+        self._record("transfer", **asdict(record))
+        if self._reporter is not None:
+            self._reporter.report(
+                TransferStat(
+                    record.transfer,
+                    record.peer,
+                    record.bytes,
+                    record.blocks,
+                    record.seconds,
+                    record.outcome,
+                )
+            )
 
     def start_load_kv(self, forward_context: Any, **kwargs: Any) -> None:
-        return None
+        if self._consumer is None:
+            return
+        meta = self._get_connector_metadata()
+        assert isinstance(meta, PdproxyConnectorMetadata)
+        try:
+            self._consumer.start(meta.loads, meta.cancelled)
+        except Exception:  # a transfer bug must never take the engine down
+            log.exception("pdproxy connector: starting KV loads failed")
 
     def wait_for_layer_load(self, layer_name: str) -> None:
-        return None
+        return None  # loads complete between steps, before vLLM schedules the request
 
     def save_kv_layer(
         self, layer_name: str, kv_layer: Any, attn_metadata: Any, **kwargs: Any
     ) -> None:
-        return None
+        if self._producer is None:
+            return
+        meta = self._get_connector_metadata()
+        assert isinstance(meta, PdproxyConnectorMetadata)
+        if meta.sends:
+            try:
+                self._producer.save_layer(layer_name, kv_layer, meta.sends)
+            except Exception:  # the decode side times out and fails the request instead
+                log.exception("pdproxy connector: sending KV of %s failed", layer_name)
 
     def wait_for_save(self) -> None:
-        return None
+        return None  # each layer was copied out when saved: the blocks are free to reuse
+
+    def get_finished(self, finished_req_ids: set[str]) -> tuple[set[str] | None, set[str] | None]:
+        results = self.get_transfer_results(finished_req_ids)
+        return None, results.finished_recving or None
+
+    def get_transfer_results(self, finished_req_ids: set[str]) -> KVConnectorTransferResults:
+        if self._consumer is None:
+            return KVConnectorTransferResults()
+        try:
+            loaded, failed = self._consumer.poll()
+        except Exception:
+            log.exception("pdproxy connector: receiving KV failed")
+            return KVConnectorTransferResults()
+        # Failed loads count as finished too: vLLM then fails or recomputes them.
+        return KVConnectorTransferResults(finished_recving=loaded | failed, failed_recving=failed)
 
     # -- scheduler side ----------------------------------------------------------------------
 
     def on_new_request(self, request: Any) -> None:
         self._load.arrived(request.request_id)
         params = request.sampling_params
+        key = transfer_key(request.request_id, getattr(request, "external_req_id", None))
+        if self._settings.role == "P":
+            self._sending.arrived(request.request_id, key, request.num_prompt_tokens)
         self._record(
             "new",
             request_id=request.request_id,
             prompt_tokens=request.num_prompt_tokens,
             max_tokens=None if params is None else params.max_tokens,
             kv_transfer_params=request.kv_transfer_params,
+            transfer=None if key is None else key.stats_id,
         )
 
     def get_num_new_matched_tokens(
         self, request: Any, num_computed_tokens: int
     ) -> tuple[int | None, bool]:
-        return 0, False  # nothing to load: the prompt is computed here
+        if self._settings.role != "D":
+            return 0, False
+        key = transfer_key(request.request_id, getattr(request, "external_req_id", None))
+        tokens = self._loading.matched(
+            request.request_id, key, request.num_prompt_tokens, num_computed_tokens
+        )
+        return tokens, tokens > 0
 
     def update_state_after_alloc(self, request: Any, blocks: Any, num_external_tokens: int) -> None:
         self._load.scheduled(request.request_id)
+        if self._settings.role == "D" and num_external_tokens:
+            block_ids = list(blocks.get_block_ids()[0])
+            self._loading.allocated(request.request_id, block_ids, num_external_tokens)
 
     def build_connector_meta(self, scheduler_output: Any) -> KVConnectorMetadata:
-        return PdproxyConnectorMetadata()
+        meta = PdproxyConnectorMetadata()
+        if self._settings.role == "P":
+            meta.sends = self._sends(scheduler_output)
+        elif self._settings.role == "D":
+            meta.loads, meta.cancelled = self._loading.take()
+        return meta
+
+    def _sends(self, scheduler_output: Any) -> list[SendSpec]:
+        if not len(self._sending):
+            return []
+        scheduled = scheduler_output.num_scheduled_tokens
+        sends = []
+        for new in scheduler_output.scheduled_new_reqs:
+            spec = self._sending.scheduled(
+                new.req_id,
+                list(new.block_ids[0]),
+                True,
+                new.num_computed_tokens,
+                scheduled.get(new.req_id, 0),
+            )
+            if spec is not None:
+                sends.append(spec)
+        cached = scheduler_output.scheduled_cached_reqs
+        resumed: set[str] = getattr(cached, "resumed_req_ids", set())
+        for index, request_id in enumerate(cached.req_ids):
+            new_blocks = cached.new_block_ids[index]
+            spec = self._sending.scheduled(
+                request_id,
+                None if new_blocks is None else list(new_blocks[0]),
+                request_id in resumed,
+                cached.num_computed_tokens[index],
+                scheduled.get(request_id, 0),
+            )
+            if spec is not None:
+                sends.append(spec)
+        return sends
 
     def request_finished(
         self, request: Any, block_ids: list[int]
     ) -> tuple[bool, dict[str, Any] | None]:
         self._load.finished(request.request_id)
+        self._sending.finished(request.request_id)
+        self._loading.finished(request.request_id)
         self._record(
             "finished",
             request_id=request.request_id,
@@ -157,6 +333,12 @@ class PdproxyConnector(KVConnectorBase_V1):  # type: ignore[misc]
         return False, None
 
     def shutdown(self) -> None:
+        for closer in self._closers:
+            if isinstance(closer, StatsReporter):
+                closer.stop()
+            else:
+                closer.close()
+        self._closers = []
         if self._announcer is not None:
             self._announcer.stop()
             self._announcer = None
@@ -177,3 +359,34 @@ def _served_model_name(vllm_config: Any) -> str:
     if isinstance(served, list | tuple) and served:
         return str(served[0])
     return str(served or model.model)
+
+
+def _kv_geometry(announced: WorkerGeometry) -> KvGeometry | None:
+    """The geometry the transfer needs, or None when vLLM did not tell all of it."""
+    try:
+        return KvGeometry(
+            tp_size=announced.tp_size,  # type: ignore[arg-type]
+            block_size=announced.block_size,  # type: ignore[arg-type]
+            num_layers=announced.num_layers,  # type: ignore[arg-type]
+            num_kv_heads=1 if announced.is_mla else announced.num_kv_heads,  # type: ignore[arg-type]
+            head_dim=announced.head_dim,  # type: ignore[arg-type]
+            kv_dtype=announced.kv_dtype or "",
+            is_mla=bool(announced.is_mla),
+            kv_layout=None if announced.kv_layout is None else KvLayout(announced.kv_layout),
+        )
+    except (ValueError, TypeError):
+        return None
+
+
+def _tp_rank() -> int:
+    from vllm.distributed.parallel_state import get_tensor_model_parallel_rank
+
+    return int(get_tensor_model_parallel_rank())
+
+
+def _cache_format() -> CacheFormat:
+    """vLLM 0.32's per-layer cache: [blocks, heads, block_size, 2 * head_dim], filled the CPU
+    backend's way on CPU (see pdproxy.worker.kv)."""
+    from vllm.platforms import current_platform
+
+    return CacheFormat.BHNC_CPU if current_platform.is_cpu() else CacheFormat.BHNC

@@ -11,7 +11,16 @@ is honoured. pdproxy's own extra keys:
 - announce_interval: seconds between announcements (default 3);
 - record_path: a JSON-lines file recording what the engine showed the connector (tests);
 - registry_secret_file: a file holding the registry secret; when set, every v1 message is
-  signed with it (pdproxy.registry.auth).
+  signed with it (pdproxy.registry.auth);
+- kv_timeout: seconds a decode instance waits for a request's KV before failing it (30);
+- on_missing_kv: "fail" (the request ends with an error) or "recompute" (the decode instance
+  computes the prompt itself): sets vLLM's kv_load_failure_policy (default: vLLM's, "fail");
+- kv_buffer_ttl: seconds received KV waits for its request before it is freed (60);
+- kv_buffer_bytes: cap on KV held for requests that have not come yet (1 GiB);
+- kv_send_timeout: seconds a decode rank may take to accept a frame before the send fails (10);
+- kv_send_queue_bytes: cap on KV queued for sending (1 GiB);
+- kv_send_delay: seconds every frame is held before it is sent (tests only: a window to kill
+  a prefill in; 0).
 """
 
 from __future__ import annotations
@@ -42,6 +51,13 @@ class ConnectorSettings:
     announce_interval_s: float
     record_path: Path | None
     registry_secret_file: Path | None = None
+    kv_timeout_s: float = 30.0
+    on_missing_kv: str | None = None
+    kv_buffer_ttl_s: float = 60.0
+    kv_buffer_bytes: int = 1 << 30
+    kv_send_timeout_s: float = 10.0
+    kv_send_queue_bytes: int = 1 << 30
+    kv_send_delay_s: float = 0.0
 
     @property
     def zmq_address(self) -> str:
@@ -87,7 +103,36 @@ def connector_settings(
         announce_interval_s=interval,
         record_path=None if record_path is None else Path(str(record_path)),
         registry_secret_file=None if secret_file is None else Path(str(secret_file)),
+        kv_timeout_s=_seconds(extra.get("kv_timeout", 30.0), "kv_timeout"),
+        on_missing_kv=_choice(extra.get("on_missing_kv"), "on_missing_kv", ("fail", "recompute")),
+        kv_buffer_ttl_s=_seconds(extra.get("kv_buffer_ttl", 60.0), "kv_buffer_ttl"),
+        kv_buffer_bytes=_size(extra.get("kv_buffer_bytes", 1 << 30), "kv_buffer_bytes"),
+        kv_send_timeout_s=_seconds(extra.get("kv_send_timeout", 10.0), "kv_send_timeout"),
+        kv_send_queue_bytes=_size(extra.get("kv_send_queue_bytes", 1 << 30), "kv_send_queue_bytes"),
+        kv_send_delay_s=_delay(extra.get("kv_send_delay", 0.0)),
     )
+
+
+def _choice(value: object, name: str, allowed: tuple[str, ...]) -> str | None:
+    if value is None:
+        return None
+    if value not in allowed:
+        raise ConnectorConfigError(f"{name} must be one of {', '.join(allowed)}, got {value!r}")
+    return str(value)
+
+
+def _size(value: object, name: str) -> int:
+    try:
+        size = int(str(value))
+    except ValueError:
+        raise ConnectorConfigError(f"{name} must be a number of bytes, got {value!r}") from None
+    if size < 1:
+        raise ConnectorConfigError(f"{name} must be positive, got {size}")
+    return size
+
+
+def _delay(value: object) -> float:
+    return 0.0 if value in (0, 0.0, "0", None) else _seconds(value, "kv_send_delay")
 
 
 MAX_INTERVAL_S = 3600.0
