@@ -24,7 +24,12 @@ Each rule mirrors vLLM (files read: `vllm/distributed/kv_transfer/kv_connector/u
   refuses any tensor whose shape differs but for the token axis ("only symmetric TP is
   supported", `check_tensors_except_dim`): same TP, block size, heads, head_dim, dtype,
   layout, layers.
-- nixl (and pdproxy, whose connector starts with nixl's rules):
+- pdproxy (pdproxy.worker.connector): what that connector does today. Its wire is token-major
+  and each side reads and writes its own blocks through their logical axes, so layouts may
+  differ and the decode's block size may be any multiple of the prefill's; the prefill plans
+  its sends against its own TP, so TP sizes must be equal (pdproxy.worker.kv handles TP
+  ratios, but the prefill does not learn the decode's TP yet).
+- nixl:
   * same model, layers, total KV heads, head_dim, KV dtype and attention kind: the factors of
     `compute_nixl_compatibility_hash`;
   * `tp_ratio` (`TpKVTopology.tp_ratio`, decode being local): `decode_tp // prefill_tp` when
@@ -387,9 +392,25 @@ def _check(p: KvGeometry, d: KvGeometry, connector: Connector | None) -> Incompa
         return Incompatible(Mismatch.HEADS, f"head_dim {p.head_dim} vs {d.head_dim}")
     if p.dtype != d.dtype:
         return Incompatible(Mismatch.DTYPE, f"kv dtype {p.kv_dtype} vs {d.kv_dtype}")
-    if connector is Connector.NIXL or connector is Connector.PDPROXY:
+    if connector is Connector.NIXL:
         return _check_heterogeneous(p, d, connector.value)
+    if connector is Connector.PDPROXY:
+        return _check_pdproxy(p, d)
     return _check_identical(p, d, "p2p_nccl")
+
+
+def _check_pdproxy(p: KvGeometry, d: KvGeometry) -> Incompatible | None:
+    if p.tp_size != d.tp_size:
+        return Incompatible(
+            Mismatch.TP,
+            f"tp {p.tp_size} vs tp {d.tp_size} (pdproxy's connector needs equal tp for now)",
+        )
+    if d.block_size % p.block_size:
+        return Incompatible(
+            Mismatch.BLOCK_SIZE,
+            f"decode block size {d.block_size} not a multiple of prefill's {p.block_size}",
+        )
+    return None
 
 
 def _check_identical(p: KvGeometry, d: KvGeometry, name: str) -> Incompatible | None:

@@ -497,13 +497,14 @@ def test_each_decode_head_is_read_once_from_a_prefill_rank_holding_it(p_tp: int,
 
 @pytest.mark.parametrize(("p_tp", "d_tp"), TP_PAIRS)
 def test_reads_agree_with_the_pair_plan(p_tp: int, d_tp: int) -> None:
-    """Where pairing allows a pair, kv.py reads what, and from whom, the pair plan says."""
+    """Where nixl-style pairing allows a pair (the rules kv.py implements for any TP ratio),
+    kv.py reads what, and from whom, the pair plan says."""
     compared = 0
     for heads, mla in itertools.product(HEADS, (False, True)):
         p = geometry(p_tp, heads, 16, torch.bfloat16, mla=mla)
         d = geometry(d_tp, heads, 16, torch.bfloat16, mla=mla)
         verdict = plan_pair(
-            Side("m", Connector.PDPROXY, p, 21001), Side("m", Connector.PDPROXY, d, 21001)
+            Side("m", Connector.NIXL, p, 21001), Side("m", Connector.NIXL, d, 21001)
         )
         if not isinstance(verdict, PairPlan):
             continue  # pairing refuses it (replicated prefill heads over a smaller decode TP)

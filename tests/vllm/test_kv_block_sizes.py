@@ -1,0 +1,115 @@
+"""A prefill with a smaller KV block size than its decode: the connector's token-major wire
+re-lays the KV into the decode's own blocks, and the answer is still exactly one vLLM's."""
+
+from __future__ import annotations
+
+from collections.abc import Iterator
+from dataclasses import dataclass
+from pathlib import Path
+
+import openai
+import pytest
+
+from pdproxy.ids import parse_request_id
+from pdproxy.testing.fleet import LocalFleet
+from pdproxy.testing.processes import free_ports, http_json, wait_until
+from pdproxy.testing.vllm_cpu import MODEL_NAME, VllmServer, running_servers
+from pdproxy.testing.vllm_env import VllmEnv
+
+pytestmark = pytest.mark.vllm
+
+PREFILL_BLOCK, DECODE_BLOCK = 32, 128  # the CPU backend prefers multiples of 32
+PROMPT = " ".join(["amber", "basalt", "cobalt", "dune", "ember", "fjord", "glacier"] * 30)
+TOKENS = 12
+
+
+@dataclass
+class Stack:
+    proxy: LocalFleet
+    prefill: VllmServer
+    decode: VllmServer
+
+
+@pytest.fixture(scope="module")
+def stack(
+    vllm_env: VllmEnv, vllm_model: Path, tmp_path_factory: pytest.TempPathFactory
+) -> Iterator[Stack]:
+    work = tmp_path_factory.mktemp("kv-block-sizes")
+    proxy = LocalFleet(work / "proxy", [], ["--ttl", "10"])
+    proxy.start()
+    try:
+        p_http, p_kv, d_http, d_kv = free_ports(4)
+        prefill = VllmServer(
+            "vllm-P-b32",
+            "kv_producer",
+            p_http,
+            p_kv,
+            work,
+            proxy.registry_address,
+            cpu="0",
+            block_size=PREFILL_BLOCK,
+        )
+        decode = VllmServer(
+            "vllm-D-b128",
+            "kv_consumer",
+            d_http,
+            d_kv,
+            work,
+            proxy.registry_address,
+            cpu="1",
+            block_size=DECODE_BLOCK,
+        )
+        with running_servers(vllm_env, vllm_model, [prefill, decode]):
+            wait_until(
+                lambda: {prefill.http_address, decode.http_address} <= proxy.registered(),
+                30,
+                "both servers registered",
+            )
+            yield Stack(proxy, prefill, decode)
+    finally:
+        proxy.stop()
+
+
+def complete(url: str) -> openai.types.Completion:
+    client = openai.OpenAI(base_url=f"{url}/v1", api_key="unused", max_retries=0, timeout=120)
+    return client.completions.create(
+        model=MODEL_NAME, prompt=PROMPT, max_tokens=TOKENS, temperature=0.0, logprobs=1
+    )
+
+
+def test_the_pair_is_compatible_and_listed_with_its_block_ratio(stack: Stack) -> None:
+    listing = http_json(f"{stack.proxy.proxy_url}/v1/instances/pairs")["prefills"]
+    assert len(listing) == 1, listing
+    text = str(listing[0])
+    assert stack.decode.http_address in text
+    assert "'block_size_ratio': 4" in text, text
+
+
+def test_a_smaller_prefill_block_gives_the_same_answer(stack: Stack) -> None:
+    through = complete(stack.proxy.proxy_url)
+    alone = complete(stack.prefill.url)  # one vLLM computing everything itself
+    assert through.choices[0].text == alone.choices[0].text
+    through_logprobs = through.choices[0].logprobs
+    alone_logprobs = alone.choices[0].logprobs
+    assert through_logprobs is not None and alone_logprobs is not None
+    pairs = zip(
+        through_logprobs.token_logprobs or [], alone_logprobs.token_logprobs or [], strict=True
+    )
+    assert all(abs((a or 0.0) - (b or 0.0)) <= 1e-3 for a, b in pairs)
+    assert through.usage is not None
+    prompt_tokens = through.usage.prompt_tokens
+    assert prompt_tokens > DECODE_BLOCK  # several blocks on both sides
+
+    tagged = parse_request_id(through.id)
+    assert tagged is not None
+    wait_until(
+        lambda: any(r["transfer"].startswith(tagged.uid) for r in stack.decode.records("transfer")),
+        10,
+        "the decode's transfer record",
+    )
+    received = [r for r in stack.decode.records("transfer") if r["transfer"].startswith(tagged.uid)]
+    sent = [r for r in stack.prefill.records("transfer") if r["transfer"].startswith(tagged.uid)]
+    loaded = prompt_tokens - 1
+    assert [(r["outcome"], r["blocks"]) for r in received] == [("ok", -(-loaded // DECODE_BLOCK))]
+    assert [(r["outcome"], r["blocks"]) for r in sent] == [("ok", -(-loaded // PREFILL_BLOCK))]
+    assert received[0]["bytes"] == sent[0]["bytes"]
