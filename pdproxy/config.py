@@ -116,8 +116,8 @@ class Settings(BaseModel):
     )
     registry_v0_cidrs: list[str] = Field(
         default_factory=list,
-        description="CIDR (repeatable, or comma-separated) the addresses of a v0 announcement "
-        "must fall in; none: any.",
+        description="CIDR (repeatable, or comma-separated) a v0 announcement must come from "
+        "(the connection's address) and its addresses fall in; none: any.",
     )
     registry_address_cidrs: list[str] = Field(
         default_factory=list,

@@ -203,7 +203,8 @@ class RegistryGate:
 
     - with a secret, every v1 message (announce, leave and stats) must be signed;
     - v0 (stock vLLM, which cannot sign) is accepted without a secret, or with one only when
-      `allow_unsigned_v0`; and when `v0_cidrs` are given, only if its addresses fall in them;
+      `allow_unsigned_v0`; and when `v0_cidrs` are given, only if it was sent from them (the
+      connection's peer address, when known) and its addresses fall in them;
     - when `address_cidrs` are given, every announced http and zmq address must fall in them.
     """
 
@@ -219,11 +220,19 @@ class RegistryGate:
         self._v0_cidrs = tuple(v0_cidrs)
         self._address_cidrs = tuple(address_cidrs)
 
-    def check(self, payload: Mapping[str, Any], message: Message, now: float) -> None:
+    def check(
+        self, payload: Mapping[str, Any], message: Message, now: float, peer: str | None = None
+    ) -> None:
         is_v0 = isinstance(message, Announcement) and message.version == 0
         if is_v0:
             if not self._allow_v0:
                 raise Rejected(Reason.UNSIGNED, "unsigned v0 messages are not allowed")
+            if self._v0_cidrs and peer is not None:
+                # Unsigned, so only where it comes from vouches for it: the sender's own IP,
+                # not just the addresses it claims.
+                allowed, why = address_allowed(peer, self._v0_cidrs)
+                if not allowed:
+                    raise Rejected(Reason.FORBIDDEN_ADDRESS, f"v0 sent from {why}")
         elif self._verifier is not None:
             self._verifier.verify(payload, now)
         if not isinstance(message, Announcement):

@@ -156,17 +156,18 @@ class RegistryServer:
         plain: zmq.Socket[bytes] = zmq.Socket.shadow(sock.underlying)
         handled = 0
         while True:
-            frames = await _receive_message(sock, plain)
+            frames, peer = await _receive_message(sock, plain)
             try:
-                self.handle(frames)
+                self.handle(frames, peer)
             except Exception:  # a bug here must not kill the registry
                 log.exception("registry: unexpected error handling a frame")
             handled += 1
             if handled % _BATCH == 0:
                 await asyncio.sleep(0)
 
-    def handle(self, frames: list[bytes]) -> None:
-        """Process one ROUTER message: [sender identity, payload]."""
+    def handle(self, frames: list[bytes], peer: str | None = None) -> None:
+        """Process one ROUTER message: [sender identity, payload]; `peer` is the IP address
+        the message came from, when the transport tells it."""
         sender = frames[0] if frames else b""
         try:
             if len(frames) != 2:
@@ -174,7 +175,7 @@ class RegistryServer:
             payload = unpack_frame(frames[1])
             message = parse_message(payload)
             assert isinstance(payload, dict)  # parse_message refuses anything else
-            self._gate.check(payload, message, self._wall_clock())
+            self._gate.check(payload, message, self._wall_clock(), peer)
             now = self._clock()
             if isinstance(message, Announcement):
                 change, instance = self._table.announce(message, now)
@@ -306,12 +307,15 @@ class RegistryServer:
                 log.exception("registry: sweep failed")
 
 
-async def _receive_message(sock: zmq.asyncio.Socket, plain: zmq.Socket[bytes]) -> list[bytes]:
+async def _receive_message(
+    sock: zmq.asyncio.Socket, plain: zmq.Socket[bytes]
+) -> tuple[list[bytes], str | None]:
     """One multipart message. Only the first frames are copied out. libzmq hands over a
     multipart message only once all of it arrived, so the rest is drained without awaiting
     (through `plain`, a synchronous shadow of the same socket: an asyncio recv per frame costs
     tens of microseconds), yielding now and then so a huge message cannot stall HTTP."""
     first = await sock.recv(copy=False)
+    peer = _peer_address(first)
     kept = [first.bytes]
     more = first.more
     extra = 0
@@ -325,7 +329,16 @@ async def _receive_message(sock: zmq.asyncio.Socket, plain: zmq.Socket[bytes]) -
             if extra % _DRAIN_BATCH == 0:
                 await asyncio.sleep(0)
     # One empty frame stands for all the extra ones: `handle` sees the count, not the payloads.
-    return kept + [b""] * min(extra, 1)
+    return kept + [b""] * min(extra, 1), peer
+
+
+def _peer_address(frame: zmq.Frame) -> str | None:
+    """The sender's IP as libzmq saw the connection (TCP only)."""
+    try:
+        address = frame.get("Peer-Address")
+    except zmq.ZMQError:
+        return None
+    return address if isinstance(address, str) and address else None
 
 
 def gate_from_settings(settings: Settings) -> RegistryGate:

@@ -164,3 +164,25 @@ def test_v0_only_when_allowed_and_from_the_configured_networks(
     wait_rejected(fleet, "unsigned", 1)
     assert listed(fleet) == {"127.0.0.1:8100"}
     assert_secret_nowhere(fleet)
+
+
+def test_v0_is_judged_by_where_it_comes_from_not_only_by_what_it_claims(
+    fleet_factory: FleetFactory, zmq_context: Any, tmp_path: Path
+) -> None:
+    """Unsigned, a v0 ping could claim addresses inside the allowed networks from anywhere:
+    the connection's own peer address must be inside them too."""
+    fleet = fleet_factory(
+        [],
+        proxy_args=config_file(
+            tmp_path / "proxy.yaml",
+            registry_allow_unsigned_v0=True,
+            registry_v0_cidrs=["10.0.0.0/8"],
+        ),
+    )
+    sock = sender(zmq_context, fleet)  # from 127.0.0.1, outside 10.0.0.0/8
+    claims_inside = {**V0, "http_address": "10.1.2.3:8100", "zmq_address": "10.1.2.3:21001"}
+    sock.send(pack(claims_inside))
+    wait_rejected(fleet, "forbidden_address", 1)
+    assert listed(fleet) == set()
+    log = (fleet.log_dir / "pdproxy.log").read_text(encoding="utf-8", errors="replace")
+    assert "v0 sent from 127.0.0.1" in log
