@@ -8,7 +8,8 @@ from __future__ import annotations
 
 import re
 import time
-from collections.abc import Iterator
+from collections.abc import Iterator, Sequence
+from contextlib import contextmanager
 from dataclasses import dataclass
 from pathlib import Path
 from typing import Any
@@ -145,3 +146,47 @@ def metric_sum(server: VllmServer, name: str) -> float:
                 seen = True
     assert seen, f"{server.name} exports no {name}"
     return total
+
+
+@dataclass
+class PairStack:
+    """A proxy of its own with one real prefill and one real decode (for tests that need
+    servers configured differently from the session's)."""
+
+    proxy: LocalFleet
+    prefill: VllmServer
+    decode: VllmServer
+
+
+@contextmanager
+def pair_stack(
+    env: VllmEnv,
+    model: Path,
+    work: Path,
+    names: tuple[str, str],
+    proxy_args: Sequence[str] = (),
+    prefill: dict[str, Any] | None = None,
+    decode: dict[str, Any] | None = None,
+) -> Iterator[PairStack]:
+    """Start the proxy and both servers (`prefill` / `decode`: extra VllmServer fields), wait
+    until both registered, stop everything by PID on the way out."""
+    proxy = LocalFleet(work / "proxy", [], ["--ttl", "10", *proxy_args])
+    proxy.start()
+    try:
+        p_http, p_kv, d_http, d_kv = free_ports(4)
+        registry = proxy.registry_address
+        p_server = VllmServer(
+            names[0], "kv_producer", p_http, p_kv, work, registry, cpu="0", **(prefill or {})
+        )
+        d_server = VllmServer(
+            names[1], "kv_consumer", d_http, d_kv, work, registry, cpu="1", **(decode or {})
+        )
+        with running_servers(env, model, [p_server, d_server]):
+            wait_until(
+                lambda: {p_server.http_address, d_server.http_address} <= proxy.registered(),
+                REGISTRATION_TIMEOUT_S,
+                "both servers registered",
+            )
+            yield PairStack(proxy, p_server, d_server)
+    finally:
+        proxy.stop()

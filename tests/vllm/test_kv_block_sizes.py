@@ -4,17 +4,16 @@ re-lays the KV into the decode's own blocks, and the answer is still exactly one
 from __future__ import annotations
 
 from collections.abc import Iterator
-from dataclasses import dataclass
 from pathlib import Path
 
 import openai
 import pytest
 
 from pdproxy.ids import parse_request_id
-from pdproxy.testing.fleet import LocalFleet
-from pdproxy.testing.processes import free_ports, http_json, wait_until
-from pdproxy.testing.vllm_cpu import MODEL_NAME, VllmServer, running_servers
+from pdproxy.testing.processes import http_json, wait_until
+from pdproxy.testing.vllm_cpu import MODEL_NAME
 from pdproxy.testing.vllm_env import VllmEnv
+from tests.vllm.conftest import PairStack, pair_stack
 
 pytestmark = pytest.mark.vllm
 
@@ -23,51 +22,19 @@ PROMPT = " ".join(["amber", "basalt", "cobalt", "dune", "ember", "fjord", "glaci
 TOKENS = 12
 
 
-@dataclass
-class Stack:
-    proxy: LocalFleet
-    prefill: VllmServer
-    decode: VllmServer
-
-
 @pytest.fixture(scope="module")
 def stack(
     vllm_env: VllmEnv, vllm_model: Path, tmp_path_factory: pytest.TempPathFactory
-) -> Iterator[Stack]:
-    work = tmp_path_factory.mktemp("kv-block-sizes")
-    proxy = LocalFleet(work / "proxy", [], ["--ttl", "10"])
-    proxy.start()
-    try:
-        p_http, p_kv, d_http, d_kv = free_ports(4)
-        prefill = VllmServer(
-            "vllm-P-b32",
-            "kv_producer",
-            p_http,
-            p_kv,
-            work,
-            proxy.registry_address,
-            cpu="0",
-            block_size=PREFILL_BLOCK,
-        )
-        decode = VllmServer(
-            "vllm-D-b128",
-            "kv_consumer",
-            d_http,
-            d_kv,
-            work,
-            proxy.registry_address,
-            cpu="1",
-            block_size=DECODE_BLOCK,
-        )
-        with running_servers(vllm_env, vllm_model, [prefill, decode]):
-            wait_until(
-                lambda: {prefill.http_address, decode.http_address} <= proxy.registered(),
-                30,
-                "both servers registered",
-            )
-            yield Stack(proxy, prefill, decode)
-    finally:
-        proxy.stop()
+) -> Iterator[PairStack]:
+    with pair_stack(
+        vllm_env,
+        vllm_model,
+        tmp_path_factory.mktemp("kv-block-sizes"),
+        ("vllm-P-b32", "vllm-D-b128"),
+        prefill={"block_size": PREFILL_BLOCK},
+        decode={"block_size": DECODE_BLOCK},
+    ) as made:
+        yield made
 
 
 def complete(url: str) -> openai.types.Completion:
@@ -77,7 +44,7 @@ def complete(url: str) -> openai.types.Completion:
     )
 
 
-def test_the_pair_is_compatible_and_listed_with_its_block_ratio(stack: Stack) -> None:
+def test_the_pair_is_compatible_and_listed_with_its_block_ratio(stack: PairStack) -> None:
     listing = http_json(f"{stack.proxy.proxy_url}/v1/instances/pairs")["prefills"]
     assert len(listing) == 1, listing
     text = str(listing[0])
@@ -85,7 +52,7 @@ def test_the_pair_is_compatible_and_listed_with_its_block_ratio(stack: Stack) ->
     assert "'block_size_ratio': 4" in text, text
 
 
-def test_a_smaller_prefill_block_gives_the_same_answer(stack: Stack) -> None:
+def test_a_smaller_prefill_block_gives_the_same_answer(stack: PairStack) -> None:
     through = complete(stack.proxy.proxy_url)
     alone = complete(stack.prefill.url)  # one vLLM computing everything itself
     assert through.choices[0].text == alone.choices[0].text

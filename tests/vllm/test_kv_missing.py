@@ -16,11 +16,11 @@ import openai
 import pytest
 
 from pdproxy.ids import parse_request_id
-from pdproxy.testing.fleet import LocalFleet
-from pdproxy.testing.processes import free_ports, wait_until
-from pdproxy.testing.vllm_cpu import MODEL_NAME, VllmServer, running_servers
+from pdproxy.testing.processes import wait_until
+from pdproxy.testing.vllm_cpu import MODEL_NAME
 from pdproxy.testing.vllm_env import VllmEnv
 from tests.integration.support import metric_value
+from tests.vllm.conftest import PairStack, pair_stack
 
 pytestmark = pytest.mark.vllm
 
@@ -31,11 +31,8 @@ TOKENS = 8
 
 
 @dataclass
-class Stack:
-    proxy: LocalFleet
-    prefill: VllmServer
-    decode: VllmServer
-    mode: str
+class Stack(PairStack):
+    mode: str = "fail"
 
 
 @pytest.fixture(scope="module", params=["fail", "recompute"])
@@ -46,40 +43,16 @@ def stack(
     tmp_path_factory: pytest.TempPathFactory,
 ) -> Iterator[Stack]:
     mode: str = request.param
-    work = tmp_path_factory.mktemp(f"kv-missing-{mode}")
-    proxy = LocalFleet(work / "proxy", [], ["--ttl", "10", "--max-attempts", "1"])
-    proxy.start()
-    try:
-        p_http, p_kv, d_http, d_kv = free_ports(4)
-        prefill = VllmServer(
-            "vllm-P-slow",
-            "kv_producer",
-            p_http,
-            p_kv,
-            work,
-            proxy.registry_address,
-            cpu="0",
-            connector_extra={"kv_send_delay": SEND_DELAY_S},
-        )
-        decode = VllmServer(
-            f"vllm-D-{mode}",
-            "kv_consumer",
-            d_http,
-            d_kv,
-            work,
-            proxy.registry_address,
-            cpu="1",
-            connector_extra={"kv_timeout": KV_TIMEOUT_S, "on_missing_kv": mode},
-        )
-        with running_servers(vllm_env, vllm_model, [prefill, decode]):
-            wait_until(
-                lambda: {prefill.http_address, decode.http_address} <= proxy.registered(),
-                30,
-                "both servers registered",
-            )
-            yield Stack(proxy, prefill, decode, mode)
-    finally:
-        proxy.stop()
+    with pair_stack(
+        vllm_env,
+        vllm_model,
+        tmp_path_factory.mktemp(f"kv-missing-{mode}"),
+        ("vllm-P-slow", f"vllm-D-{mode}"),
+        proxy_args=["--max-attempts", "1"],
+        prefill={"connector_extra": {"kv_send_delay": SEND_DELAY_S}},
+        decode={"connector_extra": {"kv_timeout": KV_TIMEOUT_S, "on_missing_kv": mode}},
+    ) as made:
+        yield Stack(made.proxy, made.prefill, made.decode, mode)
 
 
 def client(url: str) -> openai.OpenAI:
