@@ -8,7 +8,8 @@ from one prefill rank), contiguous, shaped ``(kv, tokens, heads, head_dim)``:
 - ``kv`` is 2, K then V, for ordinary attention; 1 for MLA (the latent, no separate V);
 - ``tokens`` are the request's tokens 0 .. num_tokens - 1 in order, never padded to a block;
 - ``heads`` are the heads of that read, in head order (``HeadRead.prefill_heads``);
-- the dtype is the cache's (``wire_to_bytes`` / ``wire_from_bytes`` carry it as raw bytes).
+- the dtype is the cache's (``wire_to_bytes`` / ``wire_from_bytes`` carry it as raw bytes,
+  without copying it on either side).
 
 Token-major and unpadded, the wire says nothing of either side's block size, layout or cache
 format: the sender gathers from its blocks (``gather_kv``), the receiver scatters into its own
@@ -51,6 +52,7 @@ is block-aligned on both sides because decode's block size is a multiple of pref
 
 from __future__ import annotations
 
+import ctypes
 import math
 from collections.abc import Sequence
 from dataclasses import dataclass
@@ -157,29 +159,58 @@ def scatter_kv(
         plane[blocks, offsets] = values
 
 
-def wire_to_bytes(wire: torch.Tensor) -> bytearray:
-    """The wire tensor's raw bytes (one copy, no numpy needed: bfloat16 and fp8 work too)."""
-    out = bytearray(wire.numel() * wire.element_size())
-    if out:
-        target = torch.frombuffer(out, dtype=torch.uint8)
-        target.copy_(wire.contiguous().reshape(-1).view(torch.uint8))
-    return out
+def wire_to_bytes(wire: torch.Tensor) -> memoryview:
+    """The wire tensor's raw bytes (no numpy needed: bfloat16 and fp8 work too).
+
+    Not copied when `wire` is a contiguous CPU tensor that is all of its own memory, as
+    `gather_kv`'s result is: the view then shows that memory and keeps the tensor alive, so the
+    tensor must not be written while the bytes are in use. Anything else (a view into a larger
+    tensor, a cache for one; a tensor on another device) is copied to the host once.
+    """
+    host = wire.detach()
+    if host.device.type != "cpu" or not _whole_and_contiguous(host):
+        host = torch.empty(tuple(host.shape), dtype=host.dtype).copy_(host)
+    size = host.numel() * host.element_size()
+    if size == 0:
+        return memoryview(b"")
+    raw = (ctypes.c_ubyte * size).from_address(host.data_ptr())
+    vars(raw)["tensor"] = host  # the memory lives as long as the view
+    return memoryview(raw).cast("B")
 
 
 def wire_from_bytes(
     data: bytes | bytearray | memoryview, shape: Sequence[int], dtype: torch.dtype
 ) -> torch.Tensor:
-    """A wire tensor of `shape` and `dtype` from its raw bytes (copied: the result owns them)."""
-    expected = math.prod(shape) * torch.empty((), dtype=dtype).element_size()
-    size = memoryview(data).nbytes
-    if size != expected:
-        raise ValueError(f"{size} bytes for a wire of shape {tuple(shape)} {dtype}")
+    """A wire tensor of `shape` and `dtype` from its raw bytes.
+
+    A writable buffer (the transport's own receive buffer) is used in place: the tensor shares
+    its memory and keeps it alive. A read-only one (bytes) is copied, as torch wraps only
+    writable memory; so is one not aligned for `dtype`.
+    """
+    view = memoryview(data)
+    item_size = torch.empty((), dtype=dtype).element_size()
+    expected = math.prod(shape) * item_size
+    if view.nbytes != expected:
+        raise ValueError(f"{view.nbytes} bytes for a wire of shape {tuple(shape)} {dtype}")
     if expected == 0:
         return torch.empty(tuple(shape), dtype=dtype)
-    # A private copy: torch warns on read-only buffers (bytes, zmq frames), and the caller may
-    # reuse a writable one.
-    raw = torch.frombuffer(bytearray(data), dtype=torch.uint8)
+    if view.readonly or not view.c_contiguous:
+        raw = torch.frombuffer(bytearray(view), dtype=torch.uint8)
+    else:
+        raw = torch.frombuffer(view.cast("B"), dtype=torch.uint8)
+        if raw.data_ptr() % item_size:
+            raw = raw.clone()
     return raw.view(dtype).view(tuple(shape))
+
+
+def _whole_and_contiguous(tensor: torch.Tensor) -> bool:
+    """Whether `tensor` is contiguous and is the whole of its storage (not a view into more)."""
+    size = tensor.numel() * tensor.element_size()
+    return bool(
+        tensor.is_contiguous()
+        and tensor.storage_offset() == 0
+        and tensor.untyped_storage().nbytes() == size
+    )
 
 
 def _check_same_model_shape(prefill: KvGeometry, decode: KvGeometry) -> None:

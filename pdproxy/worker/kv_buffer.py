@@ -17,6 +17,10 @@ from pdproxy.worker.kv_wire import LayerHeader
 
 _REMEMBERED_LOSSES = 4096
 
+# A frame's payload as the transport hands it over: zero-copy transports give a memoryview of
+# their own receive buffer, which then lives as long as the frame is held here.
+Payload = bytes | bytearray | memoryview
+
 
 class Loss(StrEnum):
     EXPIRED = "expired"  # nobody claimed it within the TTL
@@ -31,7 +35,7 @@ class Transfer:
     reads: int
     first_at: float
     last_at: float = 0.0
-    frames: dict[tuple[int, int], tuple[LayerHeader, bytes]] = field(default_factory=dict)
+    frames: dict[tuple[int, int], tuple[LayerHeader, Payload]] = field(default_factory=dict)
     size: int = 0
 
     @property
@@ -53,11 +57,12 @@ class TransferBuffer:
         self._losses: OrderedDict[str, Loss] = OrderedDict()
         self.size = 0
 
-    def add(self, header: LayerHeader, payload: bytes, now: float) -> Loss | None:
+    def add(self, header: LayerHeader, payload: Payload, now: float) -> Loss | None:
         """Keep one frame; a Loss when the frame's whole transfer was given up on."""
         if header.key in self._losses:
             return self._losses[header.key]
-        if len(payload) != header.payload_bytes:
+        size = payload.nbytes if isinstance(payload, memoryview) else len(payload)
+        if size != header.payload_bytes:
             return self._lose(header.key, Loss.INCONSISTENT)
         transfer = self._transfers.get(header.key)
         if transfer is None:
@@ -69,12 +74,12 @@ class TransferBuffer:
         slot = (header.layer, header.read)
         if slot in transfer.frames:
             return None  # a repeat: the first copy stands
-        if self.size + len(payload) > self._max_bytes:
+        if self.size + size > self._max_bytes:
             return self._lose(header.key, Loss.OVER_CAPACITY)
         transfer.frames[slot] = (header, payload)
-        transfer.size += len(payload)
+        transfer.size += size
         transfer.last_at = now
-        self.size += len(payload)
+        self.size += size
         return None
 
     def take(self, key: str) -> Transfer | Loss | None:

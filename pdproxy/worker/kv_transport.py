@@ -3,8 +3,9 @@
 Behind two small interfaces (`KvSender`, `KvReceiver`), so a transport over NCCL or RDMA can
 take its place for GPU tensors. This one carries host memory: payloads go out zero-copy
 (pyzmq keeps the buffer alive until sent), from one sender thread per process, so the model's
-forward pass only gathers and enqueues. Every wait is bounded: a destination that does not take
-a frame within `send_timeout` fails that frame (and with it the transfer), and the queue is
+forward pass only gathers and enqueues; a large payload received stays in the buffer libzmq
+read it into, never copied again. Every wait is bounded: a destination that does not take a
+frame within `send_timeout` fails that frame (and with it the transfer), and the queue is
 capped in bytes.
 """
 
@@ -27,6 +28,8 @@ from pdproxy.worker.kv_wire import LayerHeader, WireError, decode_header
 log = logging.getLogger("pdproxy.worker.kv")
 
 _POLL_MS = 100
+_DRAIN = 64  # messages taken per wake-up of the receive thread
+_ZERO_COPY_BYTES = 64 * 1024  # payloads at least this large are kept in libzmq's buffer
 _STOP = object()
 
 # Told of each frame once it left (True) or was given up on (False).
@@ -179,23 +182,37 @@ class ZmqReceiver:
         poller.register(self._socket, zmq.POLLIN)
         while not self._stopping.is_set():
             if poller.poll(_POLL_MS):
-                self._receive_one()
+                # Take what is already queued (bounded, so expiry still gets its turn).
+                for _ in range(_DRAIN):
+                    if not self._receive_one():
+                        break
             with self._lock:
                 expired = self._buffer.expire(self._clock())
             for key in expired:
                 log.warning("pdproxy connector: KV for %s was never claimed; freed", key)
 
-    def _receive_one(self) -> None:
-        frames = self._socket.recv_multipart(copy=True)
+    def _receive_one(self) -> bool:
+        """Take one message if one is waiting; False when none was."""
+        try:
+            # Not copied: libzmq received each payload into a buffer of its own, which the
+            # frame keeps alive for as long as the transfer holds it.
+            frames = self._socket.recv_multipart(flags=zmq.NOBLOCK, copy=False)
+        except zmq.Again:
+            return False
         if len(frames) != 2:
             log.warning("pdproxy connector: dropped a KV message of %d frames", len(frames))
-            return
+            return True
         try:
-            header = decode_header(frames[0])
+            header = decode_header(frames[0].bytes)
         except WireError as exc:
             log.warning("pdproxy connector: dropped a KV message: %s", exc)
-            return
+            return True
+        # A small payload is copied: it may share libzmq's batch buffer with other messages,
+        # which a held view would keep alive.
+        body = frames[1]
+        payload = body.buffer if len(body) >= _ZERO_COPY_BYTES else body.bytes
         with self._lock:
-            loss = self._buffer.add(header, frames[1], self._clock())
+            loss = self._buffer.add(header, payload, self._clock())
         if loss is Loss.OVER_CAPACITY:
             log.warning("pdproxy connector: KV buffer full; refused KV for %s", header.key)
+        return True
