@@ -77,11 +77,12 @@ def test_a_prefill_dying_before_its_kv_left(stack: Stack) -> None:
 
     caller = threading.Thread(target=through_the_proxy)
     caller.start()
-    # The prefill answered (its engine finished the request) and sits on the KV: kill it.
+    # The prefill answered (the decode leg reached the decode instance, so the prefill's answer
+    # reached the proxy) and still sits on the KV: kill it.
     wait_until(
-        lambda: any(r["event"] == "finished" for r in stack.prefill.records()),
+        lambda: any(r["event"] == "new" and r.get("transfer") for r in stack.decode.records()),
         60,
-        "the prefill leg to finish",
+        "the decode leg to arrive",
     )
     assert stack.prefill.process is not None
     stack.prefill.process.signal(signal.SIGKILL)
