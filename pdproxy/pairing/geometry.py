@@ -24,11 +24,12 @@ Each rule mirrors vLLM (files read: `vllm/distributed/kv_transfer/kv_connector/u
   refuses any tensor whose shape differs but for the token axis ("only symmetric TP is
   supported", `check_tensors_except_dim`): same TP, block size, heads, head_dim, dtype,
   layout, layers.
-- pdproxy (pdproxy.worker.connector): what that connector does today. Its wire is token-major
-  and each side reads and writes its own blocks through their logical axes, so layouts may
-  differ and the decode's block size may be any multiple of the prefill's; the prefill plans
-  its sends against its own TP, so TP sizes must be equal (pdproxy.worker.kv handles TP
-  ratios, but the prefill does not learn the decode's TP yet).
+- pdproxy (pdproxy.worker.connector): what that connector does. Its wire is token-major and
+  each side reads and writes its own blocks through their logical axes, so layouts may differ
+  and the decode's block size may be any multiple of the prefill's. TP sizes may differ when
+  one divides the other: the proxy tells the prefill the decode's TP (pdproxy.proxy.kv_params)
+  and each prefill rank sends every decode rank the heads it holds (pdproxy.worker.kv
+  `plan_reads`; replicated heads are sent once, from the first rank holding them).
 - nixl:
   * same model, layers, total KV heads, head_dim, KV dtype and attention kind: the factors of
     `compute_nixl_compatibility_hash`;
@@ -400,10 +401,13 @@ def _check(p: KvGeometry, d: KvGeometry, connector: Connector | None) -> Incompa
 
 
 def _check_pdproxy(p: KvGeometry, d: KvGeometry) -> Incompatible | None:
-    if p.tp_size != d.tp_size:
+    try:
+        tp_ratio(p.tp_size, d.tp_size)
+    except ValueError:
         return Incompatible(
             Mismatch.TP,
-            f"tp {p.tp_size} vs tp {d.tp_size} (pdproxy's connector needs equal tp for now)",
+            f"tp {p.tp_size} vs tp {d.tp_size} (pdproxy's connector needs one tp to divide "
+            "the other)",
         )
     if d.block_size % p.block_size:
         return Incompatible(
@@ -499,10 +503,13 @@ def _reads(p: KvGeometry, d: KvGeometry, rank: int, kv_port: int) -> tuple[RankR
         first = rank * count
     wanted = d.rank_heads(rank)
     reads: list[RankRead] = []
+    next_head = wanted.start
     for source in range(first, first + count):
         held = p.rank_heads(source)
         # Decode takes from each source only the heads it holds itself (a slice when decode
-        # TP is larger, the whole share otherwise).
-        heads = range(max(wanted.start, held.start), min(wanted.stop, held.stop))
-        reads.append(RankRead(source, kv_port + source, heads))
+        # TP is larger, the whole share otherwise), and a replicated head only once.
+        heads = range(max(next_head, held.start), min(wanted.stop, held.stop))
+        if heads:
+            reads.append(RankRead(source, kv_port + source, heads))
+            next_head = heads.stop
     return tuple(reads)

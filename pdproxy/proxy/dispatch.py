@@ -29,7 +29,12 @@ from pdproxy.pairing.features import RequestFeatures
 from pdproxy.pairing.planner import Direct
 from pdproxy.proxy.errors import ProxyError
 from pdproxy.proxy.exchange import ClientHeaders, Exchange, RequestNotes
-from pdproxy.proxy.kv_params import PARAMS_FIELD, params_from_answer, prefill_params, uses_params
+from pdproxy.proxy.kv_params import (
+    PARAMS_FIELD,
+    params_from_answer,
+    prefill_leg_params,
+    uses_params,
+)
 from pdproxy.proxy.prompt import request_features
 from pdproxy.proxy.request import CompletionRequest
 from pdproxy.proxy.rotation import Rotation
@@ -190,10 +195,11 @@ class Dispatcher:
             exchange.request_id = request_id
             headers = self.leg_headers(request_id, authorization)
             with_params = uses_params(pair.connector)
+            leg_params = prefill_leg_params(pair.connector, pair.decode)
             prefill_began = self._rotation.now()
             with trace.leg(PREFILL, pair.prefill.name) as span:
                 answer = await self._prefill(
-                    pair.prefill, request, headers | span, with_params, notes
+                    pair.prefill, request, headers | span, leg_params, notes
                 )
             self._rotation.release(pair.prefill.http_address, pair.prefill_tokens)
             prefill_held = False
@@ -250,13 +256,13 @@ class Dispatcher:
         instance: Instance,
         request: CompletionRequest,
         headers: dict[str, str],
-        with_params: bool,
+        leg_params: dict[str, Any] | None,
         notes: RequestNotes,
     ) -> Reply:
         """The prefill answer: 2xx, or a 4xx to relay; anything else raises."""
         settings = self._settings
         started = time.perf_counter()
-        body = request.prefill_body(prefill_params() if with_params else None)
+        body = request.prefill_body(leg_params)
         with self._leg(PREFILL, instance, "answer", settings.prefill_timeout) as wait:
             async with asyncio.timeout(wait.limit):
                 reply = await self._upstream.post(

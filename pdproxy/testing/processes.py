@@ -38,6 +38,24 @@ def free_ports(count: int) -> list[int]:
     return sorted(ports)
 
 
+def free_port_run(count: int, attempts: int = 200) -> int:
+    """The first of `count` consecutive ports nothing listens on right now (KV ports: one per
+    TP rank, from a base port)."""
+    for _ in range(attempts):
+        base = free_port()
+        if base + count - 1 > 65535:
+            continue
+        with contextlib.ExitStack() as held:
+            try:
+                for port in range(base, base + count):
+                    sock = held.enter_context(socket.socket(socket.AF_INET, socket.SOCK_STREAM))
+                    sock.bind((LOOPBACK, port))
+            except OSError:
+                continue
+            return base
+    raise RuntimeError(f"no {count} consecutive free ports in {attempts} attempts")
+
+
 def pdproxy_command(*args: str) -> list[str]:
     return [sys.executable, "-m", "pdproxy", *args]
 

@@ -79,10 +79,11 @@ class VllmServer:
     kv_port: int
     work: Path
     registry: str | None = None  # "host:port" of the pdproxy registry to announce to
-    cpu: str = "0"  # VLLM_CPU_OMP_THREADS_BIND
+    cpu: str = "0"  # VLLM_CPU_OMP_THREADS_BIND ("0|1": rank 0 on core 0, rank 1 on core 1)
     announce_interval_s: float = 1.0
     connector_extra: dict[str, Any] = field(default_factory=dict)  # kv_timeout, on_missing_kv...
     block_size: int | None = None  # vLLM's own default (128 on CPU) when None
+    tp_size: int = 1  # ranks in worker processes; `cpu` then names one core list per rank
     process: ManagedProcess | None = field(default=None, init=False)
 
     @property
@@ -153,6 +154,17 @@ class VllmServer:
             "--kv-transfer-config",
             json.dumps(self.kv_transfer_config()),
             *([] if self.block_size is None else ["--block-size", str(self.block_size)]),
+            *self._parallel_args(),
+        ]
+
+    def _parallel_args(self) -> list[str]:
+        if self.tp_size == 1:
+            return []
+        return [
+            "--tensor-parallel-size",
+            str(self.tp_size),
+            "--distributed-executor-backend",
+            "mp",
         ]
 
     def environment(self) -> dict[str, str]:

@@ -33,10 +33,17 @@ from pdproxy.pairing.geometry import KvGeometry, KvLayout
 from pdproxy.worker.announcement import TransferStat, WorkerGeometry, WorkerIdentity
 from pdproxy.worker.announcer import Announcer, LoadSample
 from pdproxy.worker.connector_settings import ConnectorSettings, connector_settings
+from pdproxy.worker.cpu_format import cpu_isa, format_for_isa
 from pdproxy.worker.kv import CacheFormat
 from pdproxy.worker.kv_buffer import TransferBuffer
 from pdproxy.worker.kv_keys import transfer_key
-from pdproxy.worker.kv_schedule import ConsumerSchedule, LoadSpec, ProducerSchedule, SendSpec
+from pdproxy.worker.kv_schedule import (
+    ConsumerSchedule,
+    LoadSpec,
+    ProducerSchedule,
+    SendSpec,
+    decode_tp_size,
+)
 from pdproxy.worker.kv_transport import ZmqReceiver, ZmqSender
 from pdproxy.worker.kv_worker import ConsumerWorker, ProducerWorker, TransferRecord
 from pdproxy.worker.load_tracker import LoadTracker
@@ -76,6 +83,8 @@ class PdproxyConnector(KVConnectorBase_V1):  # type: ignore[misc]
         self._announcer: Announcer | None = None
         self._geometry = geometry_from_vllm_config(vllm_config)
         self._block_size = int(vllm_config.cache_config.block_size)
+        # None: this backend's page layout is unknown here, so no KV moves in or out.
+        self._cache_format = _cache_format(vllm_config, self._geometry.head_dim)
         # Scheduler side: which request sends or loads what.
         self._sending = ProducerSchedule()
         self._loading = ConsumerSchedule(self._block_size)
@@ -140,11 +149,16 @@ class PdproxyConnector(KVConnectorBase_V1):  # type: ignore[misc]
         )
         role = self._settings.role
         geometry = _kv_geometry(self._geometry)
-        if role is None or geometry is None:
-            log.warning("pdproxy connector: no KV transfer (role %s, geometry %s)", role, geometry)
+        cache_format = self._cache_format
+        if role is None or geometry is None or cache_format is None:
+            log.warning(
+                "pdproxy connector: no KV transfer (role %s, geometry %s, cache format %s)",
+                role,
+                geometry,
+                cache_format,
+            )
             return
         rank = _tp_rank()
-        cache_format = _cache_format()
         settings = self._settings
         self._reporter = self._start_reporter(rank, geometry.tp_size)
         if role == "P":
@@ -253,7 +267,9 @@ class PdproxyConnector(KVConnectorBase_V1):  # type: ignore[misc]
         params = request.sampling_params
         key = transfer_key(request.request_id, getattr(request, "external_req_id", None))
         if self._settings.role == "P":
-            self._sending.arrived(request.request_id, key, request.num_prompt_tokens)
+            # The proxy says how the decode splits heads (pdproxy.proxy.kv_params).
+            decode_tp = decode_tp_size(request.kv_transfer_params)
+            self._sending.arrived(request.request_id, key, request.num_prompt_tokens, decode_tp)
         self._record(
             "new",
             request_id=request.request_id,
@@ -266,8 +282,8 @@ class PdproxyConnector(KVConnectorBase_V1):  # type: ignore[misc]
     def get_num_new_matched_tokens(
         self, request: Any, num_computed_tokens: int
     ) -> tuple[int | None, bool]:
-        if self._settings.role != "D":
-            return 0, False
+        if self._settings.role != "D" or self._cache_format is None:
+            return 0, False  # computed here: this side cannot write received KV
         key = transfer_key(request.request_id, getattr(request, "external_req_id", None))
         tokens = self._loading.matched(
             request.request_id, key, request.num_prompt_tokens, num_computed_tokens
@@ -384,9 +400,19 @@ def _tp_rank() -> int:
     return int(get_tensor_model_parallel_rank())
 
 
-def _cache_format() -> CacheFormat:
-    """vLLM 0.32's per-layer cache: [blocks, heads, block_size, 2 * head_dim], filled the CPU
-    backend's way on CPU (see pdproxy.worker.kv)."""
+def _cache_format(vllm_config: Any, head_dim: int | None) -> CacheFormat | None:
+    """vLLM 0.32's per-layer cache: [blocks, heads, block_size, 2 * head_dim], filled the way
+    the CPU backend's kernels for this model lay out pages on CPU (see pdproxy.worker.kv)."""
     from vllm.platforms import current_platform
 
-    return CacheFormat.BHNC_CPU if current_platform.is_cpu() else CacheFormat.BHNC
+    if not current_platform.is_cpu():
+        return CacheFormat.BHNC
+    if head_dim is None:
+        return None
+    isa = cpu_isa(vllm_config, head_dim)
+    found = format_for_isa(isa)
+    if found is None:
+        log.error(
+            "pdproxy connector: the CPU attention ISA %r lays out KV in a way not checked", isa
+        )
+    return found

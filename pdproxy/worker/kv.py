@@ -33,9 +33,13 @@ allocation into NHD shape) is simply ``NHD`` here, and writes reach its memory a
 - ``BHNC_CPU``: the same tensor as vLLM 0.32's CPU backend fills it. Its kernels treat each
   (block, head) page as K transposed, ``(head_dim, block_size)``, then V, ``(block_size,
   head_dim)``, so the last axis does not hold one token's K and V. Measured by calling the
-  backend's own cache-write kernel (ISAs ``vec`` and ``vec16``: x86 without AMX, every dtype);
-  ``amx`` (bfloat16 on AMX hardware) and the other ISAs were not available to check. The page
-  must be contiguous, as the backend's only layout (LBHNC) makes it.
+  backend's own cache-write kernel (ISAs ``vec`` and ``vec16``, x86, every dtype). The page
+  must be contiguous, as the backend's only layout (LBHNC) makes it;
+- ``BHNC_CPU_AMX``: the same tensor as the CPU backend's ``amx`` ISA fills it (bfloat16 with a
+  block size that is a multiple of 32 on x86 with AMX tiles): K in tiles of 16 tokens, each
+  ``(head_dim / 2, 16, 2)``, then V in tiles of 16 head_dim values, each ``(block_size / 2,
+  16, 2)``; measured the same way. The ARM, RISC-V, s390x and POWER ISAs were not available to
+  check, so the connector refuses to move KV there (pdproxy.worker.cpu_format).
 
 Tensor parallelism
 ------------------
@@ -73,6 +77,16 @@ class CacheFormat(StrEnum):
     MLA = "MLA"
     BHNC = "BHNC"
     BHNC_CPU = "BHNC_CPU"
+    BHNC_CPU_AMX = "BHNC_CPU_AMX"
+
+
+# vLLM 0.32's CPU AMX kernels (bfloat16, block_size a multiple of 32, x86 with AMX) tile a
+# page for the tile multiply: K in tiles of 16 tokens, V in tiles of 16 head_dim values, each
+# holding pairs of bfloat16 values side by side (measured with the backend's own cache-write
+# kernel, see the module docstring).
+AMX_TOKENS = 16
+AMX_DIMS = 16
+AMX_PAIR = 2
 
 
 @dataclass(frozen=True, slots=True)
@@ -135,8 +149,15 @@ def gather_kv(
     """
     planes = [_head_window(plane, heads) for plane in _planes(cache, cache_format)]
     blocks, offsets = _token_slots(planes[0], block_ids, num_tokens)
-    # Indexing (blocks, offsets) token by token gives (tokens, heads, head_dim) per plane.
-    return torch.stack([plane[blocks, offsets] for plane in planes])
+    # Indexing each token's slot gives (tokens, heads, head_dim split in two) per plane.
+    return torch.stack(
+        [
+            _at(plane, blocks, offsets).reshape(
+                num_tokens, plane.shape[3], plane.shape[4] * plane.shape[5]
+            )
+            for plane in planes
+        ]
+    )
 
 
 def scatter_kv(
@@ -156,7 +177,14 @@ def scatter_kv(
     blocks, offsets = _token_slots(planes[0], block_ids, wire.shape[1])
     wire = wire.to(planes[0].device)  # received on the host; the cache may live elsewhere
     for plane, values in zip(planes, wire, strict=True):
-        plane[blocks, offsets] = values
+        inner = plane.shape[2]
+        split = values.reshape(values.shape[0], plane.shape[3], plane.shape[4], plane.shape[5])
+        plane[blocks, offsets // inner, offsets % inner] = split
+
+
+def _at(plane: torch.Tensor, blocks: torch.Tensor, offsets: torch.Tensor) -> torch.Tensor:
+    inner = plane.shape[2]
+    return plane[blocks, offsets // inner, offsets % inner]
 
 
 def wire_to_bytes(wire: torch.Tensor) -> memoryview:
@@ -265,22 +293,33 @@ def _reads_of(prefill: KvGeometry, decode: KvGeometry, decode_rank: int) -> list
 
 def _planes(cache: torch.Tensor, cache_format: CacheFormat) -> tuple[torch.Tensor, ...]:
     """Views of `cache`, one per stored plane (K and V, or the MLA latent), each shaped
-    (blocks, block_size, heads, head_dim). Views, never copies: writes reach `cache`."""
+    (blocks, token tiles, tokens per tile, heads, head_dim tiles, head_dim per tile): a token's
+    offset in its block is tile * per_tile + index, and so is a head_dim index. Only the AMX
+    format tiles; the others have tiles of one token and one tile of head_dim. Views, never
+    copies: writes reach `cache`."""
     shape = tuple(cache.shape)
     if cache_format is CacheFormat.NHD or cache_format is CacheFormat.HND:
         if len(shape) != 5 or shape[0] != PLANES_K_AND_V:
             raise ValueError(f"{cache_format} cache must be (2, B, ., ., D), got {shape}")
         if cache_format is CacheFormat.NHD:
-            return cache[0], cache[1]
-        return cache[0].transpose(1, 2), cache[1].transpose(1, 2)
+            return _untiled(cache[0]), _untiled(cache[1])
+        return _untiled(cache[0].transpose(1, 2)), _untiled(cache[1].transpose(1, 2))
     if cache_format is CacheFormat.MLA:
-        return (_mla_plane(cache),)
+        return (_untiled(_mla_plane(cache)),)
     if len(shape) != 4 or shape[3] % 2:
         raise ValueError(f"{cache_format} cache must be (B, H, N, 2 * D), got {shape}")
     head_dim = shape[3] // 2
     if cache_format is CacheFormat.BHNC:
-        return cache[..., :head_dim].transpose(1, 2), cache[..., head_dim:].transpose(1, 2)
+        keys, values = cache[..., :head_dim], cache[..., head_dim:]
+        return _untiled(keys.transpose(1, 2)), _untiled(values.transpose(1, 2))
+    if cache_format is CacheFormat.BHNC_CPU_AMX:
+        return _amx_planes(cache, head_dim)
     return _cpu_planes(cache, head_dim)
+
+
+def _untiled(plane: torch.Tensor) -> torch.Tensor:
+    """(blocks, block_size, heads, head_dim) as the six axes of `_planes`."""
+    return plane.unsqueeze(2).unsqueeze(4)
 
 
 def _mla_plane(cache: torch.Tensor) -> torch.Tensor:
@@ -292,26 +331,54 @@ def _mla_plane(cache: torch.Tensor) -> torch.Tensor:
     raise ValueError(f"MLA cache must be (B, N, D) or (B, 1, N, D), got {shape}")
 
 
-def _cpu_planes(cache: torch.Tensor, head_dim: int) -> tuple[torch.Tensor, torch.Tensor]:
+def _pages(cache: torch.Tensor, cache_format: CacheFormat) -> torch.Tensor:
+    """Each (block, head) page of a CPU cache as one run of memory."""
     blocks, heads, block_size, content = cache.shape
     if cache.stride(3) != 1 or cache.stride(2) != content:
         # A strided page cannot be reinterpreted without a copy, and a copy would swallow the
         # writes.
-        raise ValueError(f"{CacheFormat.BHNC_CPU} cache needs contiguous (block, head) pages")
-    pages = cache.view(blocks, heads, block_size * content)
+        raise ValueError(f"{cache_format} cache needs contiguous (block, head) pages")
+    return cache.view(blocks, heads, block_size * content)
+
+
+def _cpu_planes(cache: torch.Tensor, head_dim: int) -> tuple[torch.Tensor, torch.Tensor]:
+    blocks, heads, block_size, _ = cache.shape
+    pages = _pages(cache, CacheFormat.BHNC_CPU)
     half = block_size * head_dim
     keys = pages[:, :, :half].view(blocks, heads, head_dim, block_size).permute(0, 3, 1, 2)
     values = pages[:, :, half:].view(blocks, heads, block_size, head_dim).transpose(1, 2)
-    return keys, values
+    return _untiled(keys), _untiled(values)
+
+
+def _amx_planes(cache: torch.Tensor, head_dim: int) -> tuple[torch.Tensor, torch.Tensor]:
+    # K page: tiles of AMX_TOKENS tokens, each (head_dim / 2, AMX_TOKENS, 2): pairs of head_dim
+    # values side by side. V page: tiles of AMX_DIMS head_dim values, each (block_size / 2,
+    # AMX_DIMS, 2): pairs of tokens side by side.
+    blocks, heads, block_size, _ = cache.shape
+    if block_size % AMX_TOKENS or head_dim % AMX_DIMS:
+        raise ValueError(
+            f"{CacheFormat.BHNC_CPU_AMX} needs block_size a multiple of {AMX_TOKENS} and "
+            f"head_dim of {AMX_DIMS}, got {block_size} and {head_dim}"
+        )
+    pages = _pages(cache, CacheFormat.BHNC_CPU_AMX)
+    half = block_size * head_dim
+    pair = AMX_PAIR
+    keys = pages[:, :, :half].view(
+        blocks, heads, block_size // AMX_TOKENS, head_dim // pair, AMX_TOKENS, pair
+    )
+    values = pages[:, :, half:].view(
+        blocks, heads, head_dim // AMX_DIMS, block_size // pair, AMX_DIMS, pair
+    )
+    return keys.permute(0, 2, 4, 1, 3, 5), values.permute(0, 3, 5, 1, 2, 4)
 
 
 def _head_window(plane: torch.Tensor, heads: range | None) -> torch.Tensor:
     if heads is None:
         return plane
-    count = plane.shape[2]
+    count = plane.shape[3]
     if heads.step != 1 or not 0 <= heads.start < heads.stop <= count:
         raise ValueError(f"heads {heads} not a non-empty run within this cache's {count} heads")
-    return plane[:, :, heads.start : heads.stop]
+    return plane[:, :, :, heads.start : heads.stop]
 
 
 def _token_slots(
@@ -320,7 +387,7 @@ def _token_slots(
     """For each token, the block holding it and its offset in that block."""
     if num_tokens < 0:
         raise ValueError(f"num_tokens must be >= 0, got {num_tokens}")
-    num_blocks, block_size = plane.shape[0], plane.shape[1]
+    num_blocks, block_size = plane.shape[0], plane.shape[1] * plane.shape[2]
     needed = -(-num_tokens // block_size)
     if len(block_ids) < needed:
         raise ValueError(
@@ -338,7 +405,8 @@ def _token_slots(
 
 
 def _check_wire_fits(wire: torch.Tensor, planes: Sequence[torch.Tensor]) -> None:
-    kv, heads, head_dim = len(planes), planes[0].shape[2], planes[0].shape[3]
+    kv, heads = len(planes), planes[0].shape[3]
+    head_dim = planes[0].shape[4] * planes[0].shape[5]
     if wire.dim() != 4 or (wire.shape[0], wire.shape[2], wire.shape[3]) != (kv, heads, head_dim):
         raise ValueError(
             f"wire {tuple(wire.shape)} does not fit ({kv}, tokens, {heads}, {head_dim})"

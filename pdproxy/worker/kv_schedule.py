@@ -15,8 +15,11 @@ the workers report the load finished (or failed) through `get_finished`.
 from __future__ import annotations
 
 from dataclasses import dataclass, field
+from typing import Any
 
 from pdproxy.worker.kv_keys import TransferKey
+
+_MAX_TP_SIZE = 1024  # as the registry's geometry bounds
 
 
 @dataclass(frozen=True, slots=True)
@@ -25,6 +28,7 @@ class SendSpec:
     key: TransferKey
     block_ids: tuple[int, ...]
     num_tokens: int  # tokens 0 .. num_tokens - 1 are sent
+    decode_tp: int | None = None  # the decode's TP size; None: the same as this prefill's
 
 
 @dataclass(frozen=True, slots=True)
@@ -36,10 +40,23 @@ class LoadSpec:
     num_tokens: int  # the transfer's tokens, skipped ones included
 
 
+def decode_tp_size(kv_transfer_params: Any) -> int | None:
+    """The decode's TP size the proxy put in the prefill leg's kv_transfer_params
+    (`{"pdproxy": {"decode_tp_size": N}}`), or None when it is absent or not a sane size."""
+    if not isinstance(kv_transfer_params, dict):
+        return None
+    ours = kv_transfer_params.get("pdproxy")
+    size = ours.get("decode_tp_size") if isinstance(ours, dict) else None
+    if isinstance(size, int) and not isinstance(size, bool) and 1 <= size <= _MAX_TP_SIZE:
+        return size
+    return None
+
+
 @dataclass(slots=True)
 class _Sending:
     key: TransferKey
     prompt_tokens: int
+    decode_tp: int | None = None
     block_ids: list[int] = field(default_factory=list)
     sent: bool = False
 
@@ -48,10 +65,16 @@ class ProducerSchedule:
     def __init__(self) -> None:
         self._requests: dict[str, _Sending] = {}
 
-    def arrived(self, request_id: str, key: TransferKey | None, prompt_tokens: int) -> None:
+    def arrived(
+        self,
+        request_id: str,
+        key: TransferKey | None,
+        prompt_tokens: int,
+        decode_tp: int | None = None,
+    ) -> None:
         # A prompt of one token leaves nothing to send: the decode computes it all.
         if key is not None and prompt_tokens > 1:
-            self._requests[request_id] = _Sending(key, prompt_tokens)
+            self._requests[request_id] = _Sending(key, prompt_tokens, decode_tp)
 
     def scheduled(
         self,
@@ -74,7 +97,11 @@ class ProducerSchedule:
             return None
         sending.sent = True
         return SendSpec(
-            request_id, sending.key, tuple(sending.block_ids), sending.prompt_tokens - 1
+            request_id,
+            sending.key,
+            tuple(sending.block_ids),
+            sending.prompt_tokens - 1,
+            sending.decode_tp,
         )
 
     def finished(self, request_id: str) -> None:

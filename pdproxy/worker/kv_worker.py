@@ -16,7 +16,7 @@ import re
 import threading
 import time
 from collections.abc import Callable, Iterable
-from dataclasses import dataclass
+from dataclasses import dataclass, replace
 
 import torch
 
@@ -39,6 +39,7 @@ from pdproxy.worker.kv_wire import LayerHeader
 log = logging.getLogger("pdproxy.worker.kv")
 
 _LAYER_NUMBER = re.compile(r"\d+")
+_REMEMBERED_REFUSALS = 4096
 
 
 @dataclass(frozen=True, slots=True)
@@ -97,7 +98,10 @@ class ProducerWorker:
         self._record = record
         self._clock = clock
         self._layers: dict[str, int] = {}
-        self._same_geometry_reads: list[tuple[HeadRead, int, int]] = []
+        # This rank's reads toward a decode of each TP size seen so far, or why there are none.
+        self._reads_by_tp: dict[int, list[tuple[HeadRead, int, int]] | str] = {}
+        # Transfers with no reads, oldest first: each is logged and recorded once.
+        self._refused: dict[str, None] = {}
         self._sender: KvSender | None = None
         self._lock = threading.Lock()
         self._outgoing: dict[str, _Outgoing] = {}
@@ -107,7 +111,6 @@ class ProducerWorker:
 
     def register(self, caches: dict[str, torch.Tensor]) -> None:
         self._layers = layer_order(caches)
-        self._same_geometry_reads = self.reads(self._geometry)
 
     def reads(self, decode: KvGeometry) -> list[tuple[HeadRead, int, int]]:
         """This rank's reads toward `decode`: (read, its index among its decode rank's reads,
@@ -121,15 +124,46 @@ class ProducerWorker:
             mine.append((read, peers.index(read), len(peers)))
         return mine
 
+    def reads_toward(self, decode_tp: int | None) -> list[tuple[HeadRead, int, int]] | str:
+        """This rank's reads toward a decode of `decode_tp` ranks (None: this side's own TP),
+        or why it cannot send to one. The rest of the decode's geometry is this model's: the
+        pairing rules pair only those, and the wire is independent of block size and layout."""
+        tp = self._geometry.tp_size if decode_tp is None else decode_tp
+        known = self._reads_by_tp.get(tp)
+        if known is None:
+            try:
+                known = self.reads(replace(self._geometry, tp_size=tp))
+            except ValueError as exc:
+                known = f"cannot send to a decode of tp {tp}: {exc}"
+            self._reads_by_tp[tp] = known
+        return known
+
     def save_layer(self, layer_name: str, cache: torch.Tensor, sends: list[SendSpec]) -> None:
         layer = self._layers.get(layer_name)
         if layer is None or not sends or self._sender is None:
             return
-        # Same TP and geometry on both sides unless told otherwise (the pairing rules allow
-        # only what this connector can transfer).
-        reads = self._same_geometry_reads
         for spec in sends:
-            self._send_layer(layer, cache, spec, reads)
+            reads = self.reads_toward(spec.decode_tp)
+            if isinstance(reads, str):
+                self._refuse(spec, reads)
+            else:
+                self._send_layer(layer, cache, spec, reads)
+
+    def _refuse(self, spec: SendSpec, why: str) -> None:
+        """Nothing can be sent: the decode side then fails the request at its timeout."""
+        key = spec.key.key
+        with self._lock:
+            if key in self._refused:
+                return
+            self._refused[key] = None
+            if len(self._refused) > _REMEMBERED_REFUSALS:
+                del self._refused[next(iter(self._refused))]
+        log.error("pdproxy connector: KV for %s not sent: %s", key, why)
+        self._record(
+            TransferRecord(
+                spec.key.stats_id, "P", self._rank, str(spec.key.decode), 0, 0, 0.0, "error"
+            )
+        )
 
     def _send_layer(
         self,

@@ -137,16 +137,25 @@ def error_message(answer: Answer) -> str:
 # -- p2p_nccl: push by request id, geometry checked by the decode -----------------------------
 
 
-def test_pdproxy_connector_pushes_by_tag_across_tp(start_fakes: Starter) -> None:
-    # pdproxy's own connector: the tag's flow, nixl's geometry rules (tp 2 -> tp 4 over HND).
+def told(decode_tp: int) -> dict[str, Any]:
+    """The prefill leg's kv_transfer_params pdproxy sends to a pdproxy-connector prefill."""
+    return {"kv_transfer_params": {"pdproxy": {"decode_tp_size": decode_tp}}}
+
+
+@pytest.mark.parametrize(("p_tp", "d_tp", "layout"), [("2", "4", "NHD"), ("4", "1", "HND")])
+def test_pdproxy_connector_pushes_by_tag_across_tp(
+    start_fakes: Starter, p_tp: str, d_tp: str, layout: str
+) -> None:
+    # pdproxy's own connector: the tag's flow; one TP divides the other, any layout; the
+    # prefill splits heads for the decode TP the proxy told it.
     prefill, decode = start_fakes(
         [
-            ("P", ("--connector", "pdproxy", "--tp-size", "2", "--kv-layout", "HND")),
-            ("D", ("--connector", "pdproxy", "--tp-size", "4", "--kv-layout", "HND")),
+            ("P", ("--connector", "pdproxy", "--tp-size", p_tp, "--kv-layout", layout)),
+            ("D", ("--connector", "pdproxy", "--tp-size", d_tp, "--kv-layout", "HND")),
         ]
     )
     rid = tagged(prefill, decode)
-    prefilled = prefill.post(body(max_tokens=1), rid)
+    prefilled = prefill.post(body(max_tokens=1, **told(int(d_tp))), rid)
     assert prefilled.status == 200
     assert "kv_transfer_params" not in prefilled.json()
     answer = decode.post(body(), rid)
@@ -155,6 +164,24 @@ def test_pdproxy_connector_pushes_by_tag_across_tp(start_fakes: Starter) -> None
     untagged = decode.post(body(), None)  # no tag: computed locally (conditional disagg)
     assert untagged.status == 200
     assert len(decode.events()["computed_locally"]) == 1
+
+
+@pytest.mark.parametrize("params", [told(2), {}], ids=["told_wrong", "not_told"])
+def test_pdproxy_prefill_told_the_wrong_decode_tp_fails_loudly(
+    start_fakes: Starter, params: dict[str, Any]
+) -> None:
+    prefill, decode = start_fakes(
+        [
+            ("P", ("--connector", "pdproxy", "--tp-size", "2")),
+            ("D", ("--connector", "pdproxy", "--tp-size", "4")),
+        ]
+    )
+    rid = tagged(prefill, decode)
+    assert prefill.post(body(max_tokens=1, **params), rid).status == 200
+    answer = decode.post(body(), rid)
+    assert answer.status == 500
+    assert "split for decode tp 2, this decode has tp 4" in error_message(answer)
+    assert decode.failures() == ["decode_tp_mismatch"]
 
 
 HND_TP2 = ("--tp-size", "2", "--kv-layout", "HND")

@@ -175,6 +175,41 @@ def test_a_fleet_may_mix_connector_kinds(fleet_factory: FleetFactory) -> None:
         assert decode.events()["kv_failed"] == []
 
 
+HEADS_24 = ("--num-kv-heads", "24")
+
+
+def test_pdproxy_pairs_across_tp_tell_the_prefill_the_decodes_tp(
+    fleet_factory: FleetFactory,
+) -> None:
+    # pdproxy's own connector pairs TP sizes that divide each other, in any layout; the prefill
+    # leg says the decode's TP size (the fake decode fails loudly if the prefill was told
+    # another), the decode leg carries no kv_transfer_params.
+    fleet = fleet_factory(
+        [
+            WorkerSpec("P", extra_args=geometry("pdproxy", 2, *HEADS_24, "--kv-layout", "NHD")),
+            WorkerSpec("D", extra_args=geometry("pdproxy", 4, *HEADS_24)),
+            WorkerSpec("D", extra_args=geometry("pdproxy", 3, *HEADS_24)),  # 2 vs 3: never used
+        ],
+        proxy_args=["--decode-policy", "round_robin"],
+    )
+    for i in range(6):
+        completion(fleet, f"across tp {i}")
+    good, orphan = fleet.role("D")
+    p_legs = legs(fleet, "P")
+    assert len(p_legs) == 6
+    for record in p_legs:
+        assert record["body"]["kv_transfer_params"] == {"pdproxy": {"decode_tp_size": 4}}
+    d_legs = [r for r in good.requests() if r["path"] == "/v1/completions"]
+    assert len(d_legs) == 6
+    assert all("kv_transfer_params" not in r["body"] for r in d_legs)
+    assert len(good.events()["kv_ok"]) == 6 and good.events()["kv_failed"] == []
+    assert [r for r in orphan.requests() if r["path"] == "/v1/completions"] == []
+    pairs = http_json(fleet.proxy_url + "/v1/instances/pairs")["prefills"]
+    [compatible] = pairs[0]["compatible"]
+    assert compatible["decodes"] == [good.http_address] and compatible["tp_ratio"] == 2
+    assert pairs[0]["incompatible"][0]["mismatch"] == "tp"
+
+
 def test_short_prompts_skip_prefill_only_where_decode_computes_locally(
     fleet_factory: FleetFactory,
 ) -> None:

@@ -10,7 +10,7 @@ from hypothesis import strategies as st
 from pdproxy.ids import Address
 from pdproxy.worker.kv_buffer import Loss, Transfer, TransferBuffer
 from pdproxy.worker.kv_keys import TransferKey, transfer_key
-from pdproxy.worker.kv_schedule import ConsumerSchedule, ProducerSchedule
+from pdproxy.worker.kv_schedule import ConsumerSchedule, ProducerSchedule, decode_tp_size
 from pdproxy.worker.kv_wire import LayerHeader, WireError, decode_header
 
 UID = "0123456789abcdef0123456789abcdef"
@@ -172,6 +172,36 @@ def test_a_prefill_sends_once_in_the_step_that_completes_its_prompt() -> None:
     assert plan.scheduled("r", None, False, computed=300, scheduled=1) is None
     plan.finished("r")
     assert len(plan) == 0
+
+
+def test_the_send_carries_the_decode_tp_the_proxy_gave() -> None:
+    plan = ProducerSchedule()
+    plan.arrived("r", key(), 10, decode_tp=decode_tp_size({"pdproxy": {"decode_tp_size": 4}}))
+    plan.arrived("s", key(), 10)
+    told, untold = plan.scheduled("r", [1], True, 0, 10), plan.scheduled("s", [2], True, 0, 10)
+    assert told is not None and told.decode_tp == 4
+    assert untold is not None and untold.decode_tp is None
+
+
+@pytest.mark.parametrize(
+    ("params", "size"),
+    [
+        ({"pdproxy": {"decode_tp_size": 2}}, 2),
+        ({"pdproxy": {"decode_tp_size": 1024}, "other": 1}, 1024),
+        (None, None),
+        ({}, None),
+        ({"decode_tp_size": 2}, None),  # not under "pdproxy"
+        ({"pdproxy": {"decode_tp_size": 0}}, None),
+        ({"pdproxy": {"decode_tp_size": 1025}}, None),
+        ({"pdproxy": {"decode_tp_size": True}}, None),
+        ({"pdproxy": {"decode_tp_size": "2"}}, None),
+        ({"pdproxy": {"decode_tp_size": 2.0}}, None),
+        ({"pdproxy": [2]}, None),
+        ("pdproxy", None),
+    ],
+)
+def test_decode_tp_size_is_read_strictly(params: object, size: int | None) -> None:
+    assert decode_tp_size(params) == size
 
 
 def test_untagged_and_one_token_prompts_are_never_sent() -> None:

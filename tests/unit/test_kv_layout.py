@@ -26,6 +26,7 @@ from hypothesis import strategies as st
 
 from pdproxy.pairing.geometry import KvGeometry, KvLayout, PairPlan, Side, plan_pair
 from pdproxy.registry.messages import Connector
+from pdproxy.worker.cpu_format import format_for_isa
 from pdproxy.worker.kv import (
     CacheFormat,
     HeadRead,
@@ -650,12 +651,13 @@ CPU_KERNEL_CHECK = """
 import torch
 from vllm import _custom_ops as ops
 from vllm.v1.attention.backends.cpu_attn import _get_attn_isa
-from pdproxy.worker.kv import CacheFormat, gather_kv, scatter_kv
+from pdproxy.worker.cpu_format import format_for_isa
+from pdproxy.worker.kv import gather_kv, scatter_kv
 
 checked = set()
 for dtype in (torch.float32, torch.bfloat16, torch.float16):
-    for head_dim in (32, 80):  # 80 takes the vec16 kernel on x86
-        blocks, heads, block_size, tokens = 4, 2, 32, 39
+    for head_dim, block_size in ((32, 32), (80, 32), (64, 64), (32, 128)):  # 80: vec16
+        blocks, heads, tokens = 4, 2, block_size + 7
         isa = _get_attn_isa(dtype, block_size, head_dim)
         written = torch.zeros((blocks, heads, block_size, 2 * head_dim), dtype=dtype)
         key_cache, value_cache = written.view(
@@ -667,10 +669,12 @@ for dtype in (torch.float32, torch.bfloat16, torch.float16):
         slots = torch.tensor(
             [block_ids[t // block_size] * block_size + t % block_size for t in range(tokens)])
         ops.cpu_attn_reshape_and_cache(key, value, key_cache, value_cache, slots, isa)
-        wire = gather_kv(written, CacheFormat.BHNC_CPU, block_ids, tokens)
+        cache_format = format_for_isa(isa)
+        assert cache_format is not None, isa
+        wire = gather_kv(written, cache_format, block_ids, tokens)
         assert torch.equal(wire, torch.stack([key, value])), (dtype, head_dim, isa)
         ours = torch.zeros_like(written)
-        scatter_kv(wire, ours, CacheFormat.BHNC_CPU, block_ids)
+        scatter_kv(wire, ours, cache_format, block_ids)
         assert torch.equal(ours, written), (dtype, head_dim, isa)
         checked.add(isa)
 print(" ".join(sorted(checked)))
@@ -714,3 +718,103 @@ def test_importing_kv_pulls_in_no_proxy_code() -> None:
         [sys.executable, "-c", code], capture_output=True, text=True, timeout=60, check=False
     )
     assert result.returncode == 0, result.stdout + result.stderr
+
+
+# --- the CPU backend's AMX tiles -----------------------------------------------------------------
+
+AMX_HEAD_DIM = 32
+
+
+def amx_offset_of_key(offset: int, dim: int) -> int:
+    """Where token `offset`'s K value `dim` sits in a page, spelled out: K tiles of 16 tokens,
+    each holding pairs of head_dim values side by side."""
+    tile, row = divmod(offset, 16)
+    return tile * 16 * AMX_HEAD_DIM + (dim // 2) * 32 + row * 2 + dim % 2
+
+
+def amx_offset_of_value(offset: int, dim: int, block_size: int) -> int:
+    """V tiles of 16 head_dim values, each holding pairs of tokens side by side, after K."""
+    tile, column = divmod(dim, 16)
+    return (
+        block_size * AMX_HEAD_DIM
+        + tile * block_size * 16
+        + (offset // 2) * 32
+        + column * 2
+        + offset % 2
+    )
+
+
+def amx_token(cache: torch.Tensor, block: int, offset: int) -> torch.Tensor:
+    block_size, heads = cache.shape[2], cache.shape[1]
+    out = torch.empty(2, heads, AMX_HEAD_DIM, dtype=cache.dtype)
+    for head in range(heads):
+        page = cache[block, head].reshape(-1)
+        for dim in range(AMX_HEAD_DIM):
+            out[0, head, dim] = page[amx_offset_of_key(offset, dim)]
+            out[1, head, dim] = page[amx_offset_of_value(offset, dim, block_size)]
+    return out
+
+
+@pytest.mark.parametrize("block_size", [32, 64])
+def test_amx_pages_read_and_write_where_the_tiles_are(block_size: int) -> None:
+    heads, tokens, block_ids = 2, block_size + 5, [3, 0]
+    generator = torch.Generator().manual_seed(block_size)
+    shape = (4, heads, block_size, 2 * AMX_HEAD_DIM)
+    cache = torch.randn(shape, generator=generator).to(torch.bfloat16)
+    wire = gather_kv(cache, CacheFormat.BHNC_CPU_AMX, block_ids, tokens)
+    for token in range(tokens):
+        block, offset = block_ids[token // block_size], token % block_size
+        assert torch.equal(wire[:, token], amx_token(cache, block, offset)), token
+
+    target = torch.randn(shape, generator=generator).to(torch.bfloat16)
+    before = target.clone()
+    scatter_kv(wire[:, :, 1:], target, CacheFormat.BHNC_CPU_AMX, [1, 2], range(1, 2))
+    for token in range(tokens):
+        block, offset = [1, 2][token // block_size], token % block_size
+        got = amx_token(target, block, offset)
+        assert torch.equal(got[:, 1], wire[:, token, 1]), token
+        assert torch.equal(got[:, 0], amx_token(before, block, offset)[:, 0]), token
+    untouched = [0, 3]
+    assert torch.equal(target[untouched], before[untouched])
+    tail = [(2, offset) for offset in range(tokens - block_size, block_size)]
+    assert all(torch.equal(amx_token(target, b, o), amx_token(before, b, o)) for b, o in tail)
+
+
+def test_amx_and_vec_pages_exchange_kv() -> None:
+    # A prefill on AMX hardware and a decode without it (or the other way round) agree token
+    # for token: the wire is the same whatever the page layout.
+    generator = torch.Generator().manual_seed(7)
+    amx = torch.randn((3, 2, 32, 2 * AMX_HEAD_DIM), generator=generator).to(torch.bfloat16)
+    vec = torch.zeros((5, 2, 16, 2 * AMX_HEAD_DIM), dtype=torch.bfloat16)
+    wire = gather_kv(amx, CacheFormat.BHNC_CPU_AMX, [2, 1], 40)
+    scatter_kv(wire, vec, CacheFormat.BHNC_CPU, [4, 0, 3])
+    assert torch.equal(gather_kv(vec, CacheFormat.BHNC_CPU, [4, 0, 3], 40), wire)
+    back = torch.zeros_like(amx)
+    scatter_kv(
+        gather_kv(vec, CacheFormat.BHNC_CPU, [4, 0, 3], 40), back, CacheFormat.BHNC_CPU_AMX, [0, 2]
+    )
+    assert torch.equal(gather_kv(back, CacheFormat.BHNC_CPU_AMX, [0, 2], 40), wire)
+
+
+@pytest.mark.parametrize(("block_size", "head_dim"), [(8, 32), (32, 8), (24, 32)])
+def test_amx_refuses_pages_it_cannot_tile(block_size: int, head_dim: int) -> None:
+    cache = torch.zeros((2, 1, block_size, 2 * head_dim), dtype=torch.bfloat16)
+    with pytest.raises(ValueError, match="multiple of 16"):
+        gather_kv(cache, CacheFormat.BHNC_CPU_AMX, [0], 1)
+
+
+@pytest.mark.parametrize(
+    ("isa", "cache_format"),
+    [
+        ("vec", CacheFormat.BHNC_CPU),
+        ("vec16", CacheFormat.BHNC_CPU),
+        ("amx", CacheFormat.BHNC_CPU_AMX),
+    ],
+)
+def test_formats_by_cpu_isa(isa: str, cache_format: CacheFormat) -> None:
+    assert format_for_isa(isa) is cache_format
+
+
+@pytest.mark.parametrize("isa", ["neon", "rvv", "vxe", "vsx", ""])
+def test_unmeasured_cpu_isas_have_no_format(isa: str) -> None:
+    assert format_for_isa(isa) is None

@@ -176,10 +176,10 @@ def pair_stack(
         p_http, p_kv, d_http, d_kv = free_ports(4)
         registry = proxy.registry_address
         p_server = VllmServer(
-            names[0], "kv_producer", p_http, p_kv, work, registry, cpu="0", **(prefill or {})
+            names[0], "kv_producer", p_http, p_kv, work, registry, **{"cpu": "0", **(prefill or {})}
         )
         d_server = VllmServer(
-            names[1], "kv_consumer", d_http, d_kv, work, registry, cpu="1", **(decode or {})
+            names[1], "kv_consumer", d_http, d_kv, work, registry, **{"cpu": "1", **(decode or {})}
         )
         with running_servers(env, model, [p_server, d_server]):
             wait_until(

@@ -41,6 +41,16 @@ def accept(
             f"{problem}",
             detail=problem,
         )
+    # pdproxy's prefill splits heads for the decode TP the proxy told it, its own if none.
+    told = payload.geometry.tp_size if payload.decode_tp is None else payload.decode_tp
+    if cfg.connector == "pdproxy" and told != cfg.geometry.tp_size:
+        raise kv_failure(
+            records,
+            request_id,
+            "decode_tp_mismatch",
+            f"fake decode {cfg.kv}: KV for request {request_id} from {source} was split for "
+            f"decode tp {told}, this decode has tp {cfg.geometry.tp_size}",
+        )
     if payload.digest != prompt_digest(generation):
         raise kv_failure(
             records,

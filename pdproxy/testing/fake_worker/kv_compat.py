@@ -7,9 +7,10 @@ pdproxy's pairing, so the rules are written a second time here, short and litera
 - p2p_nccl: the whole geometry is equal (stock P2pNcclConnector supports only symmetric TP and
   refuses any tensor whose shape differs);
 - nixl and pdproxy: layers, total KV heads, head_dim, KV dtype and MLA-ness are equal; one TP
-  size divides the other; the decode block size is a multiple of the prefill's; without MLA the
-  layouts are equal, HND when the TP sizes differ, and a prefill TP larger than the decode's
-  needs equal block sizes.
+  size divides the other; the decode block size is a multiple of the prefill's;
+- nixl only (pdproxy's connector moves KV token by token, whatever the layouts): without MLA
+  the layouts are equal, HND when the TP sizes differ, and a prefill TP larger than the
+  decode's needs equal block sizes.
 """
 
 from __future__ import annotations
@@ -60,8 +61,8 @@ def incompatibility(
     if decode.block_size % prefill.block_size != 0:
         blocks = both("block_size", prefill.block_size, decode.block_size)
         return f"{blocks} (the decode's must be a multiple of the prefill's)"
-    if prefill.is_mla:
-        return None  # one latent head replicated on every rank: layouts do not apply
+    if prefill.is_mla or prefill_connector == "pdproxy":
+        return None  # MLA: one latent head replicated on every rank, layouts do not apply
     if prefill.kv_layout != decode.kv_layout:
         return both("kv_layout", prefill.kv_layout, decode.kv_layout)
     if p_tp != d_tp and prefill.kv_layout != "HND":

@@ -15,6 +15,7 @@ from pdproxy.testing.fake_worker.config import WorkerConfig
 from pdproxy.testing.fake_worker.generation import Generation
 from pdproxy.testing.fake_worker.kv_accept import kv_failure
 from pdproxy.testing.fake_worker.kv_params import ParamsError, leg
+from pdproxy.testing.fake_worker.kv_payload import told_decode_tp
 from pdproxy.testing.fake_worker.kv_pull_flow import PullFlow
 from pdproxy.testing.fake_worker.kv_push_flow import PushFlow
 from pdproxy.testing.fake_worker.records import Records, stamp
@@ -38,17 +39,22 @@ class KvHandoff:
         answers with, if it holds KV for a remote decode."""
         if self.cfg.pulls_kv:
             return await self._by_params(request_id, header_id, params, generation)
-        await self._by_request_id(header_id, request_id, generation)
+        await self._by_request_id(header_id, request_id, params, generation)
         return None
 
     async def _by_request_id(
-        self, header_id: str | None, request_id: str, generation: Generation
+        self,
+        header_id: str | None,
+        request_id: str,
+        params: dict[str, Any] | None,
+        generation: Generation,
     ) -> None:
         if self.cfg.role == "P":
             await sleep(self.cfg.prefill_latency_s)
             decode = self.push.decode_address(header_id, generation.chat)
             if header_id is not None and decode is not None:
-                await self.push.push(header_id, decode, generation)
+                told = told_decode_tp(params) if self.cfg.connector == "pdproxy" else None
+                await self.push.push(header_id, decode, generation, told)
             return
         tagged = self.push.prefill_address(header_id, generation.chat)
         if header_id is not None and tagged is not None:

@@ -1,5 +1,7 @@
 """What a fake prefill "computes" for a request: a digest of the prompt, plus the connector and
-geometry its KV cache has, so a decode can tell both whose prompt and what shape it received."""
+geometry its KV cache has, so a decode can tell both whose prompt and what shape it received.
+A pdproxy-connector prefill also says which decode TP size the proxy told it to send for (the
+real connector splits heads by it), so a decode can tell whether the proxy said the truth."""
 
 from __future__ import annotations
 
@@ -32,12 +34,14 @@ class KvPayload:
     digest: bytes
     connector: str
     geometry: Geometry
+    decode_tp: int | None = None  # pdproxy: the decode TP size the prefill was told
 
     def as_map(self) -> dict[str, Any]:
         return {
             "digest": self.digest,
             "connector": self.connector,
             "geometry": asdict(self.geometry),
+            "decode_tp": self.decode_tp,
         }
 
 
@@ -45,8 +49,17 @@ def prompt_digest(generation: Generation) -> bytes:
     return hashlib.sha256("\x00".join(p.text for p in generation.prompts).encode()).digest()
 
 
-def compute_payload(cfg: WorkerConfig, generation: Generation) -> KvPayload:
-    return KvPayload(prompt_digest(generation), cfg.connector, cfg.geometry)
+def compute_payload(
+    cfg: WorkerConfig, generation: Generation, decode_tp: int | None = None
+) -> KvPayload:
+    return KvPayload(prompt_digest(generation), cfg.connector, cfg.geometry, decode_tp)
+
+
+def told_decode_tp(params: Any) -> int | None:
+    """The decode TP size pdproxy put in a prefill leg's kv_transfer_params, if any."""
+    ours = params.get("pdproxy") if isinstance(params, dict) else None
+    size = ours.get("decode_tp_size") if isinstance(ours, dict) else None
+    return size if isinstance(size, int) and not isinstance(size, bool) and size >= 1 else None
 
 
 def geometry_from_map(value: Any) -> Geometry:
@@ -66,11 +79,18 @@ def geometry_from_map(value: Any) -> Geometry:
 
 def payload_from_map(value: Any) -> KvPayload:
     """Raises PayloadError unless `value` is exactly what KvPayload.as_map makes."""
-    if not isinstance(value, dict) or set(value) != {"digest", "connector", "geometry"}:
-        raise PayloadError("a KV payload is a map of digest, connector and geometry")
-    digest, connector = value["digest"], value["connector"]
+    if not isinstance(value, dict) or set(value) != {
+        "digest",
+        "connector",
+        "geometry",
+        "decode_tp",
+    }:
+        raise PayloadError("a KV payload is a map of digest, connector, geometry and decode_tp")
+    digest, connector, decode_tp = value["digest"], value["connector"], value["decode_tp"]
+    if decode_tp is not None and told_decode_tp({"pdproxy": {"decode_tp_size": decode_tp}}) is None:
+        raise PayloadError(f"decode_tp must be a positive int or null, got {decode_tp!r}")
     if not isinstance(digest, bytes) or len(digest) != DIGEST_BYTES:
         raise PayloadError(f"digest must be {DIGEST_BYTES} bytes")
     if not isinstance(connector, str):
         raise PayloadError("connector must be a string")
-    return KvPayload(digest, connector, geometry_from_map(value["geometry"]))
+    return KvPayload(digest, connector, geometry_from_map(value["geometry"]), decode_tp)

@@ -3,7 +3,8 @@
 A prefill pushes the request's KV to the decode address vLLM's regex finds in the id; a decode
 waits for it and checks it came from the prefill the id names, fits its cache and is for its
 own prompt. Any mismatch is a loud HTTP 500, so a proxy that tags or pairs wrongly cannot pass
-unnoticed. kv_transfer_params are ignored, as P2pNcclConnector ignores them.
+unnoticed. kv_transfer_params are ignored, as P2pNcclConnector ignores them, but for pdproxy's
+own connector, whose prefill learns the decode's TP size from them.
 """
 
 from __future__ import annotations
@@ -69,10 +70,13 @@ class PushFlow:
         prefill = regex_address(VLLM_DECODE_SIDE, engine_id)
         return None if prefill is None else (engine_id, prefill)
 
-    async def push(self, request_id: str, decode: str, generation: Generation) -> None:
+    async def push(
+        self, request_id: str, decode: str, generation: Generation, decode_tp: int | None = None
+    ) -> None:
         key = self.stats.key(request_id, generation)
         started = self.stats.clock()
-        message = Push(request_id, self.sender.own_address, compute_payload(self.cfg, generation))
+        payload = compute_payload(self.cfg, generation, decode_tp)
+        message = Push(request_id, self.sender.own_address, payload)
         try:
             await self.sender.push(decode, message, self.cfg.kv_timeout_s)
         except (zmq.ZMQError, TimeoutError, WireError) as err:

@@ -35,6 +35,7 @@ OUTCOMES: dict[str, TransferOutcome] = {
     "wrong_sender": "error",
     "geometry_mismatch": "error",
     "payload_mismatch": "error",
+    "decode_tp_mismatch": "error",
     "bad_params": "error",
     "wrong_role": "error",
     "pull_error": "error",

@@ -31,6 +31,7 @@ KV_FAILURE_REASONS = (
     "wrong_sender",  # p2p_nccl decode: KV came from another prefill than the request id names
     "geometry_mismatch",  # decode: the prefill's connector or geometry does not fit this one's
     "payload_mismatch",  # decode: the KV was computed for another prompt
+    "decode_tp_mismatch",  # pdproxy decode: the prefill split heads for another decode TP size
     "bad_params",  # kv_transfer_params are not what a prefill answers
     "wrong_role",  # nixl/pdproxy: a prefill asked to decode, or a decode asked to prefill
     "pull_error",  # nixl/pdproxy decode: ZMQ refused the pull

@@ -1,0 +1,41 @@
+"""What the prefill leg's body carries for each connector kind (pdproxy.proxy.kv_params). Pure."""
+
+from __future__ import annotations
+
+import pytest
+
+from pdproxy.ids import Address
+from pdproxy.proxy.kv_params import prefill_leg_params, prefill_params
+from pdproxy.registry.messages import Connector, Geometry, Role
+from pdproxy.registry.table import Instance, Source
+
+
+def decode(geometry: Geometry | None) -> Instance:
+    return Instance(
+        Role.DECODE,
+        Address("10.0.1.1", 8200),
+        Address("10.0.1.1", 22001),
+        Source.V1,
+        model="m",
+        geometry=geometry,
+    )
+
+
+def test_pdproxy_tells_the_prefill_the_decodes_tp() -> None:
+    params = prefill_leg_params(Connector.PDPROXY, decode(Geometry(tp_size=4)))
+    assert params == {"pdproxy": {"decode_tp_size": 4}}
+
+
+@pytest.mark.parametrize("geometry", [None, Geometry(block_size=16)])
+def test_pdproxy_without_a_known_decode_tp_says_nothing(geometry: Geometry | None) -> None:
+    # The prefill then assumes its own TP, which is what pairing allows for unknown geometry.
+    assert prefill_leg_params(Connector.PDPROXY, decode(geometry)) is None
+
+
+def test_nixl_asks_for_a_remote_decode() -> None:
+    assert prefill_leg_params(Connector.NIXL, decode(Geometry(tp_size=2))) == prefill_params()
+
+
+@pytest.mark.parametrize("connector", [Connector.P2P_NCCL, None])
+def test_push_by_id_connectors_get_nothing(connector: Connector | None) -> None:
+    assert prefill_leg_params(connector, decode(Geometry(tp_size=2))) is None
