@@ -8,7 +8,6 @@ from __future__ import annotations
 
 import contextlib
 import logging
-import os
 import time
 from collections.abc import AsyncIterator, Callable, MutableMapping
 from dataclasses import dataclass
@@ -27,6 +26,7 @@ from pdproxy.proxy.dispatch import Dispatcher
 from pdproxy.proxy.errors import error_body
 from pdproxy.proxy.exchange import Scope
 from pdproxy.proxy.prober import HealthProber
+from pdproxy.proxy.random_ids import RandomHex
 from pdproxy.proxy.rotation import Rotation
 from pdproxy.proxy.routes import install_routes
 from pdproxy.proxy.tracing import Tracing, build_tracing
@@ -99,7 +99,8 @@ def outlier_policy(settings: Settings) -> OutlierPolicy:
 
 async def build_state(settings: Settings, clock: Callable[[], float]) -> AppState:
     # First: it is the one part that may fail to build, and nothing is bound yet.
-    tracing = build_tracing(settings.otel_exporter, lambda: os.urandom(8).hex())
+    random_hex = RandomHex()  # built here, after any fork: processes must not share its bytes
+    tracing = build_tracing(settings.otel_exporter, lambda: random_hex.hex(8))
     metrics = Metrics()
     table = RegistryTable(settings.ttl, settings.max_instances)
     for instance in static_instances(settings):
@@ -121,7 +122,9 @@ async def build_state(settings: Settings, clock: Callable[[], float]) -> AppStat
         metrics,
     )
     rotation = Rotation(settings, table, planner, outliers, admission, metrics, clock)
-    dispatcher = Dispatcher(settings, rotation, upstream, metrics, tracing)
+    dispatcher = Dispatcher(
+        settings, rotation, upstream, metrics, tracing, new_uid=lambda: random_hex.hex(16)
+    )
     prober = HealthProber(
         settings.health_check_interval,
         settings.health_check_timeout,

@@ -17,6 +17,7 @@ from pdproxy.config import Settings
 from pdproxy.logs import ACCESS_LOGGER, FIELDS
 from pdproxy.metrics import Metrics
 from pdproxy.proxy.admission import Admission
+from pdproxy.proxy.deadline import Deadline
 from pdproxy.proxy.dispatch import Dispatcher
 from pdproxy.proxy.errors import ProxyError
 from pdproxy.proxy.exchange import ClientGone, ClientHeaders, Exchange, Scope
@@ -52,21 +53,21 @@ class CompletionsEndpoint:
         started = time.perf_counter()
         client = _read_headers(scope["headers"])
         client_id = client.request_id
-        exchange = Exchange(scope, receive, send, client_id)
+        task = asyncio.current_task()
+        assert task is not None
+        exchange = Exchange(scope, receive, send, client_id, task)
         try:
             if scope["method"] != "POST":
                 raise ProxyError(405, f"method {scope['method']} not allowed; use POST")
             # Admitted before the body is read: waiting requests hold no bodies in memory.
-            async with (
-                asyncio.timeout(self._settings.request_timeout) as deadline,
-                self._admission.slot(),
-            ):
+            with Deadline(task, self._settings.request_timeout) as deadline:
                 exchange.deadline = deadline.when() or exchange.deadline
-                body = await self._read_body(exchange, client)
-                request = parse_completion(self._path, body)
-                exchange.notes.model, exchange.notes.stream = request.model, request.stream
-                exchange.watch_disconnect()
-                await self._dispatcher.serve(request, exchange, client)
+                async with self._admission.slot():
+                    body = await self._read_body(exchange, client)
+                    request = parse_completion(self._path, body)
+                    exchange.notes.model, exchange.notes.stream = request.model, request.stream
+                    exchange.watch_disconnect()
+                    await self._dispatcher.serve(request, exchange, client)
         except ProxyError as exc:
             exchange.notes.error = exc.code
             self._log_failure(exc, client_id, exchange.request_id)
@@ -81,8 +82,7 @@ class CompletionsEndpoint:
             # Our own disconnect watch cancelled the legs: the request ends here, quietly.
             # Any other cancellation (the server shutting down) goes on up, after the client
             # heard why its answer ends here.
-            task = asyncio.current_task()
-            if not exchange.client_gone or task is None or task.uncancel() > 0:
+            if not exchange.client_gone or task.uncancel() > 0:
                 exchange.notes.error = "shutting_down"
                 with contextlib.suppress(Exception):
                     await exchange.fail(SHUTTING_DOWN)
@@ -114,7 +114,7 @@ class CompletionsEndpoint:
         slot for the whole request timeout."""
         limit = self._settings.body_timeout
         try:
-            async with asyncio.timeout(limit):
+            with Deadline(exchange.task, limit):
                 return await exchange.read_body(
                     self._settings.max_body_bytes, client.content_length
                 )

@@ -15,7 +15,6 @@ from __future__ import annotations
 import asyncio
 import contextlib
 import logging
-import os
 import random
 import time
 from collections.abc import Callable, Iterator
@@ -27,8 +26,9 @@ from pdproxy.ids import build_request_id
 from pdproxy.metrics import DECODE, PREFILL, Metrics
 from pdproxy.pairing.features import RequestFeatures
 from pdproxy.pairing.planner import Direct
+from pdproxy.proxy.deadline import Deadline
 from pdproxy.proxy.errors import ProxyError
-from pdproxy.proxy.exchange import ClientHeaders, Exchange, RequestNotes
+from pdproxy.proxy.exchange import ClientHeaders, Exchange
 from pdproxy.proxy.kv_params import (
     PARAMS_FIELD,
     params_from_answer,
@@ -36,6 +36,7 @@ from pdproxy.proxy.kv_params import (
     uses_params,
 )
 from pdproxy.proxy.prompt import request_features
+from pdproxy.proxy.random_ids import RandomHex
 from pdproxy.proxy.request import CompletionRequest
 from pdproxy.proxy.rotation import Rotation
 from pdproxy.proxy.trace_context import trace_context
@@ -74,6 +75,11 @@ class LegFailed(ProxyError):
         self.retryable = retryable
 
 
+def _random_uid() -> Callable[[], str]:
+    source = RandomHex()
+    return lambda: source.hex(16)
+
+
 class Dispatcher:
     def __init__(
         self,
@@ -82,7 +88,7 @@ class Dispatcher:
         upstream: Upstream,
         metrics: Metrics,
         tracing: Tracing,
-        new_uid: Callable[[], str] = lambda: os.urandom(16).hex(),
+        new_uid: Callable[[], str] | None = None,
         unit_random: Callable[[], float] = random.random,
     ) -> None:
         self._settings = settings
@@ -90,7 +96,7 @@ class Dispatcher:
         self._upstream = upstream
         self._metrics = metrics
         self._tracing = tracing
-        self._new_uid = new_uid
+        self._new_uid = new_uid or _random_uid()
         self._unit_random = unit_random
         self._retry = RetryPolicy(
             settings.max_attempts,
@@ -148,7 +154,7 @@ class Dispatcher:
                     raise
                 failed.add(failure.instance)
                 failures += 1
-                remaining = exchange.deadline - asyncio.get_running_loop().time()
+                remaining = exchange.deadline - exchange.task.get_loop().time()
                 delay = self._retry.next_delay(failures, self._unit_random(), remaining)
                 if delay is None:
                     raise
@@ -199,7 +205,7 @@ class Dispatcher:
             prefill_began = self._rotation.now()
             with trace.leg(PREFILL, pair.prefill.name) as span:
                 answer = await self._prefill(
-                    pair.prefill, request, headers | span, leg_params, notes
+                    pair.prefill, request, headers | span, leg_params, exchange
                 )
             self._rotation.release(pair.prefill.http_address, pair.prefill_tokens)
             prefill_held = False
@@ -257,21 +263,24 @@ class Dispatcher:
         request: CompletionRequest,
         headers: dict[str, str],
         leg_params: dict[str, Any] | None,
-        notes: RequestNotes,
+        exchange: Exchange,
     ) -> Reply:
         """The prefill answer: 2xx, or a 4xx to relay; anything else raises."""
         settings = self._settings
         started = time.perf_counter()
         body = request.prefill_body(leg_params)
-        with self._leg(PREFILL, instance, "answer", settings.prefill_timeout) as wait:
-            async with asyncio.timeout(wait.limit):
-                reply = await self._upstream.post(
-                    instance.http_address,
-                    request.path,
-                    body,
-                    headers,
-                    settings.max_response_bytes,
-                )
+        with (
+            self._leg(PREFILL, instance, "answer", settings.prefill_timeout) as wait,
+            Deadline(exchange.task, wait.limit),
+        ):
+            reply = await self._upstream.post(
+                instance.http_address,
+                request.path,
+                body,
+                headers,
+                settings.max_response_bytes,
+            )
+        notes = exchange.notes
         notes.prefill_seconds = time.perf_counter() - started
         self._metrics.prefill_duration.observe(notes.prefill_seconds)
         if 200 <= reply.status < 300 or 400 <= reply.status < 500:
@@ -294,7 +303,7 @@ class Dispatcher:
         exchange: Exchange,
     ) -> None:
         settings = self._settings
-        loop = asyncio.get_running_loop()
+        loop = exchange.task.get_loop()
         started = time.perf_counter()
         # A stream must show its first byte soon (a KV handoff that hangs shows up here); a
         # non-streaming answer arrives whole at the end, so it gets the whole-leg bound.
@@ -302,49 +311,51 @@ class Dispatcher:
             waiting, limit = "first byte", settings.decode_first_byte_timeout
         else:
             waiting, limit = "answer", settings.decode_timeout
-        with self._leg(DECODE, instance, waiting, limit) as wait:
-            async with asyncio.timeout(wait.limit) as deadline:
-                async with self._upstream.stream(
-                    "POST", instance.http_address, request.path, body, headers
-                ) as stream:
-                    if not 200 <= stream.status < 300:
-                        body = await stream.read_all(settings.max_response_bytes)
-                        if 400 <= stream.status < 500:
-                            self._answered_well(DECODE, instance, wait.began)
-                            await exchange.whole(stream.status, stream.content_type.encode(), body)
-                            return
-                        raise self._leg_failed(
-                            DECODE,
-                            instance,
-                            _status_kind(stream.status),
-                            _answered(stream.status, body),
-                            wait.began,
-                        )
-                    if not request.stream:
-                        # vLLM sends a whole answer's headers once it is ready: from here on a
-                        # retry would compute it twice.
-                        wait.answered = True
-                        body = await stream.read_all(settings.max_response_bytes)
-                        self._first_byte(exchange, started)
-                        deadline.reschedule(None)
+        with (
+            self._leg(DECODE, instance, waiting, limit) as wait,
+            Deadline(exchange.task, wait.limit) as deadline,
+        ):
+            async with self._upstream.stream(
+                "POST", instance.http_address, request.path, body, headers
+            ) as stream:
+                if not 200 <= stream.status < 300:
+                    body = await stream.read_all(settings.max_response_bytes)
+                    if 400 <= stream.status < 500:
                         self._answered_well(DECODE, instance, wait.began)
                         await exchange.whole(stream.status, stream.content_type.encode(), body)
                         return
-                    chunk = await stream.next_chunk()
-                    wait.answered = bool(chunk)
+                    raise self._leg_failed(
+                        DECODE,
+                        instance,
+                        _status_kind(stream.status),
+                        _answered(stream.status, body),
+                        wait.began,
+                    )
+                if not request.stream:
+                    # vLLM sends a whole answer's headers once it is ready: from here on a
+                    # retry would compute it twice.
+                    wait.answered = True
+                    body = await stream.read_all(settings.max_response_bytes)
                     self._first_byte(exchange, started)
                     deadline.reschedule(None)
-                    await exchange.start_stream(stream.status, stream.content_type.encode())
-                    wait.what, wait.limit = "next chunk", settings.stream_idle_timeout
-                    while chunk:
-                        # Only the instance is on the clock: a slow client is not its fault
-                        # (the request timeout bounds the client).
-                        await exchange.chunk(chunk)
-                        deadline.reschedule(loop.time() + wait.limit)
-                        chunk = await stream.next_chunk()
-                        deadline.reschedule(None)
                     self._answered_well(DECODE, instance, wait.began)
-                    await exchange.end_stream()
+                    await exchange.whole(stream.status, stream.content_type.encode(), body)
+                    return
+                chunk = await stream.next_chunk()
+                wait.answered = bool(chunk)
+                self._first_byte(exchange, started)
+                deadline.reschedule(None)
+                await exchange.start_stream(stream.status, stream.content_type.encode())
+                wait.what, wait.limit = "next chunk", settings.stream_idle_timeout
+                while chunk:
+                    # Only the instance is on the clock: a slow client is not its fault
+                    # (the request timeout bounds the client).
+                    await exchange.chunk(chunk)
+                    deadline.reschedule(loop.time() + wait.limit)
+                    chunk = await stream.next_chunk()
+                    deadline.reschedule(None)
+                self._answered_well(DECODE, instance, wait.began)
+                await exchange.end_stream()
 
     def _first_byte(self, exchange: Exchange, started: float) -> None:
         exchange.notes.decode_first_byte_seconds = time.perf_counter() - started

@@ -55,7 +55,16 @@ class ClientGone(Exception):
 
 
 class Exchange:
-    def __init__(self, scope: Scope, receive: Any, send: Any, echo_id: bytes | None) -> None:
+    def __init__(
+        self,
+        scope: Scope,
+        receive: Any,
+        send: Any,
+        echo_id: bytes | None,
+        task: asyncio.Task[Any],
+    ) -> None:
+        # The request's task, looked up once: its deadlines cancel it (see proxy.deadline).
+        self.task = task
         self._receive = receive
         self._send = send
         self._echo_id = echo_id
@@ -103,9 +112,8 @@ class Exchange:
 
     def watch_disconnect(self) -> None:
         """From now on, a client disconnect cancels the current task (call after read_body)."""
-        task = asyncio.current_task()
-        assert task is not None
-        self._watcher = asyncio.get_running_loop().create_task(self._watch(task))
+        task = self.task
+        self._watcher = task.get_loop().create_task(self._watch(task))
 
     async def _watch(self, task: asyncio.Task[Any]) -> None:
         while True:

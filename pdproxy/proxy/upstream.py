@@ -269,6 +269,9 @@ class _Pool:
 
 class Upstream:
     def __init__(self, settings: Settings) -> None:
+        """Built inside the event loop it serves: it holds that loop rather than looking it up
+        per exchange (each lookup is a getpid() system call on Python 3.11)."""
+        self._loop = asyncio.get_running_loop()
         self._connect_timeout = settings.connect_timeout
         self._slot_count = settings.upstream_max_connections
         self._slots = asyncio.Semaphore(self._slot_count)
@@ -331,9 +334,8 @@ class Upstream:
             except BaseException:
                 connection.close()
                 raise
-            loop = asyncio.get_running_loop()
             if connection.reusable:
-                connection.recycle(loop.time())
+                connection.recycle(self._loop.time())
                 self._pools.setdefault(address, _Pool()).idle.append(connection)
             else:
                 connection.close()
@@ -357,7 +359,7 @@ class Upstream:
             ) from None
 
     async def _exchange(self, address: Address, head: bytes, body: bytes | None) -> _Connection:
-        loop = asyncio.get_running_loop()
+        loop = self._loop
         pool = self._pools.get(address)
         pooled = None if pool is None else pool.take(loop.time())
         stale: UpstreamError | None = None

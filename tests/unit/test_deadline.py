@@ -1,0 +1,135 @@
+"""pdproxy.proxy.deadline.Deadline behaves as asyncio.timeout for the task it is given."""
+
+from __future__ import annotations
+
+import asyncio
+
+import pytest
+
+from pdproxy.proxy.deadline import Deadline
+from pdproxy.proxy.random_ids import RandomHex
+
+
+def run(coroutine: object) -> object:
+    return asyncio.run(coroutine)  # type: ignore[arg-type]
+
+
+async def this_task() -> asyncio.Task[object]:
+    task = asyncio.current_task()
+    assert task is not None
+    return task
+
+
+def test_a_wait_past_the_deadline_becomes_a_timeout() -> None:
+    async def body() -> None:
+        task = await this_task()
+        with pytest.raises(TimeoutError), Deadline(task, 0.01) as deadline:
+            await asyncio.sleep(5)
+        assert deadline.expired()
+        assert task.cancelling() == 0  # our cancellation was taken back
+
+    run(body())
+
+
+def test_a_block_that_ends_in_time_is_left_alone() -> None:
+    async def body() -> str:
+        task = await this_task()
+        with Deadline(task, 5) as deadline:
+            await asyncio.sleep(0)
+        assert not deadline.expired()
+        await asyncio.sleep(0.02)  # the timer was cancelled: nothing fires later
+        return "done"
+
+    assert run(body()) == "done"
+
+
+def test_no_delay_means_no_bound_until_rescheduled() -> None:
+    async def body() -> None:
+        task = await this_task()
+        with pytest.raises(TimeoutError), Deadline(task, None) as deadline:
+            assert deadline.when() is None
+            await asyncio.sleep(0.01)
+            deadline.reschedule(task.get_loop().time() + 0.01)
+            await asyncio.sleep(5)
+
+    run(body())
+
+
+def test_rescheduling_to_none_lifts_the_bound() -> None:
+    async def body() -> None:
+        task = await this_task()
+        with Deadline(task, 0.01) as deadline:
+            deadline.reschedule(None)
+            await asyncio.sleep(0.03)
+        assert not deadline.expired()
+
+    run(body())
+
+
+def test_a_deadline_in_the_past_expires_at_the_next_wait() -> None:
+    async def body() -> None:
+        task = await this_task()
+        with pytest.raises(TimeoutError), Deadline(task, 5) as deadline:
+            deadline.reschedule(task.get_loop().time() - 1)
+            await asyncio.sleep(5)
+        with pytest.raises(RuntimeError):
+            deadline.reschedule(None)
+
+    run(body())
+
+
+def test_a_cancellation_from_elsewhere_stays_a_cancellation() -> None:
+    async def victim(started: asyncio.Event) -> None:
+        task = await this_task()
+        with Deadline(task, 5):
+            started.set()
+            await asyncio.sleep(5)
+
+    async def body() -> None:
+        started = asyncio.Event()
+        task = asyncio.get_running_loop().create_task(victim(started))
+        await started.wait()
+        task.cancel()
+        with pytest.raises(asyncio.CancelledError):
+            await task
+
+    run(body())
+
+
+def test_an_outer_cancellation_racing_the_deadline_is_not_swallowed() -> None:
+    # Both fire before the task runs again: the outer cancel must win (as with
+    # asyncio.timeout), not be turned into a timeout.
+    async def body() -> None:
+        task = await this_task()
+        with pytest.raises(asyncio.CancelledError), Deadline(task, None) as deadline:
+            deadline.reschedule(task.get_loop().time() - 1)  # fires at the next wait
+            task.cancel()  # the outer one, at the same time
+            await asyncio.sleep(5)
+        assert deadline.expired()
+        task.uncancel()  # the test's own outer cancel, caught above
+
+    run(body())
+
+
+def test_nested_deadlines_blame_the_one_that_expired() -> None:
+    async def body() -> str:
+        task = await this_task()
+        with Deadline(task, 5) as outer:
+            try:
+                with Deadline(task, 0.01):
+                    await asyncio.sleep(5)
+            except TimeoutError:
+                pass
+            await asyncio.sleep(0)
+        assert not outer.expired()
+        return "outer intact"
+
+    assert run(body()) == "outer intact"
+
+
+def test_random_hex_is_fresh_hex_of_the_asked_length() -> None:
+    source = RandomHex()
+    ids = [source.hex(16) for _ in range(2000)]  # crosses several refills
+    assert all(len(i) == 32 and int(i, 16) >= 0 for i in ids)
+    assert len(set(ids)) == len(ids)
+    assert len(source.hex(5000)) == 10000  # more than one refill at once
