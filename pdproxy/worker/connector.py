@@ -2,7 +2,7 @@
 `"kv_connector": "PdproxyConnector", "kv_connector_module_path": "pdproxy.worker.connector"`.
 
 It moves a tagged request's KV from the prefill instance named in its id to the decode
-instance named there, over TCP (pdproxy.worker.kv_transport), keyed by the engine id without
+instance named there, over TCP (pdproxy.worker.kv_tcp), keyed by the engine id without
 vLLM's random suffix (pdproxy.worker.kv_keys), so it needs no
 VLLM_DISABLE_REQUEST_ID_RANDOMIZATION. An untagged request is computed locally. The decisions
 are in kv_schedule (scheduler side, pure) and kv_worker (worker side, torch); this class only
@@ -44,7 +44,7 @@ from pdproxy.worker.kv_schedule import (
     SendSpec,
     decode_tp_size,
 )
-from pdproxy.worker.kv_transport import ZmqReceiver, ZmqSender
+from pdproxy.worker.kv_tcp import TcpReceiver, TcpSender
 from pdproxy.worker.kv_worker import ConsumerWorker, ProducerWorker, TransferRecord
 from pdproxy.worker.load_tracker import LoadTracker
 from pdproxy.worker.registry_client import RegistryClient
@@ -165,7 +165,7 @@ class PdproxyConnector(KVConnectorBase_V1):  # type: ignore[misc]
             address = f"{settings.host}:{settings.kv_port + rank}"
             producer = ProducerWorker(rank, geometry, cache_format, address, self._transferred)
             producer.register(kv_caches)
-            sender = ZmqSender(
+            sender = TcpSender(
                 producer.sent,
                 max_queued_bytes=settings.kv_send_queue_bytes,
                 send_timeout=settings.kv_send_timeout_s,
@@ -180,7 +180,7 @@ class PdproxyConnector(KVConnectorBase_V1):  # type: ignore[misc]
         )
         consumer.register(kv_caches)
         buffer = TransferBuffer(settings.kv_buffer_bytes, settings.kv_buffer_ttl_s)
-        receiver = ZmqReceiver(settings.host, settings.kv_port + rank, buffer)
+        receiver = TcpReceiver(settings.host, settings.kv_port + rank, buffer)
         consumer.attach(receiver)
         self._consumer = consumer
         self._closers.append(receiver)

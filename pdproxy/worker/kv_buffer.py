@@ -5,6 +5,10 @@ reading the prefill's answer), so it waits here. Bounded twice: a transfer nobod
 `ttl` is dropped, and past `max_bytes` buffered a new transfer is refused whole rather than
 evicting one a request may be about to claim. A dropped or refused key is remembered (bounded)
 so the request that comes for it fails at once instead of waiting for its timeout.
+
+The cap counts payload bytes. A transport that reads payloads into memory of its own asks
+`admit` before it reads one, passing what it is still receiving, so a frame that would be
+refused is never read into memory and frames being received count against the cap as well.
 """
 
 from __future__ import annotations
@@ -57,29 +61,49 @@ class TransferBuffer:
         self._losses: OrderedDict[str, Loss] = OrderedDict()
         self.size = 0
 
+    @property
+    def max_bytes(self) -> int:
+        return self._max_bytes
+
+    def admit(self, header: LayerHeader, size: int, pending: int = 0) -> Loss | None:
+        """Whether a frame of `size` payload bytes would be kept, asked before its payload is
+        read: a Loss (and the transfer given up on, as `add` would) when it would not. `pending`
+        counts bytes being received that are not here yet, so they count against the cap too."""
+        return self._check(header, size, pending)
+
     def add(self, header: LayerHeader, payload: Payload, now: float) -> Loss | None:
         """Keep one frame; a Loss when the frame's whole transfer was given up on."""
-        if header.key in self._losses:
-            return self._losses[header.key]
         size = payload.nbytes if isinstance(payload, memoryview) else len(payload)
-        if size != header.payload_bytes:
-            return self._lose(header.key, Loss.INCONSISTENT)
+        loss = self._check(header, size, 0)
+        if loss is not None:
+            return loss
         transfer = self._transfers.get(header.key)
         if transfer is None:
             transfer = self._transfers[header.key] = Transfer(
                 header.key, header.layers, header.reads, now
             )
-        elif (transfer.layers, transfer.reads) != (header.layers, header.reads):
-            return self._lose(header.key, Loss.INCONSISTENT)
         slot = (header.layer, header.read)
         if slot in transfer.frames:
             return None  # a repeat: the first copy stands
-        if self.size + size > self._max_bytes:
-            return self._lose(header.key, Loss.OVER_CAPACITY)
         transfer.frames[slot] = (header, payload)
         transfer.size += size
         transfer.last_at = now
         self.size += size
+        return None
+
+    def _check(self, header: LayerHeader, size: int, pending: int) -> Loss | None:
+        if header.key in self._losses:
+            return self._losses[header.key]
+        if size != header.payload_bytes:
+            return self._lose(header.key, Loss.INCONSISTENT)
+        transfer = self._transfers.get(header.key)
+        if transfer is not None:
+            if (transfer.layers, transfer.reads) != (header.layers, header.reads):
+                return self._lose(header.key, Loss.INCONSISTENT)
+            if (header.layer, header.read) in transfer.frames:
+                return None  # a repeat: `add` keeps the first copy, nothing to count
+        if self.size + pending + size > self._max_bytes:
+            return self._lose(header.key, Loss.OVER_CAPACITY)
         return None
 
     def take(self, key: str) -> Transfer | Loss | None:

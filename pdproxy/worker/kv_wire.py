@@ -5,10 +5,16 @@ A prefill rank sends, for every layer, one message to every decode rank that rea
 (`kv.plan_reads`): `[header, payload]`, the payload being the raw bytes of the wire tensor
 (kv, tokens, heads, head_dim) that `kv.gather_kv` built. A decode rank has the whole transfer
 when it holds `layers x reads` messages for the key.
+
+Over a plain TCP stream (`kv_tcp`) each message is one frame: a fixed prefix (`FRAME_MAGIC`,
+the header's length as u32 and the payload's as u64, network order), the header, the payload.
+The prefix carries the payload's length apart from the header, so a receiver stays in step with
+the stream even when it refuses or cannot read a header.
 """
 
 from __future__ import annotations
 
+import struct
 from dataclasses import dataclass
 from typing import Any
 
@@ -18,6 +24,11 @@ WIRE_VERSION = 1
 MAX_KEY_LENGTH = 512
 MAX_LAYERS = 4096
 MAX_READS = 1024
+FRAME_MAGIC = b"PDKV"
+MAX_HEADER_BYTES = 8192  # a header is a few hundred bytes (the key is at most 512 characters)
+MAX_PAYLOAD_BYTES = 1 << 40  # a sanity bound on the prefix; real caps are the receiver's
+_PREFIX = struct.Struct("!4sIQ")
+PREFIX_BYTES = _PREFIX.size
 
 
 class WireError(ValueError):
@@ -68,6 +79,24 @@ _ITEM_SIZE = {
     "uint8": 1,
     "int8": 1,
 }
+
+
+def frame_prefix(header_bytes: int, payload_bytes: int) -> bytes:
+    """The prefix of one frame on a TCP stream."""
+    return _PREFIX.pack(FRAME_MAGIC, header_bytes, payload_bytes)
+
+
+def decode_prefix(data: bytes | bytearray | memoryview) -> tuple[int, int]:
+    """(header bytes, payload bytes) from a frame's prefix (`PREFIX_BYTES` long). A WireError
+    means the stream is not pdproxy's, or out of step: the connection cannot be trusted."""
+    magic, header_bytes, payload_bytes = _PREFIX.unpack(data)
+    if magic != FRAME_MAGIC:
+        raise WireError("not a pdproxy KV frame")
+    if not 0 < header_bytes <= MAX_HEADER_BYTES:
+        raise WireError(f"a header of {header_bytes} bytes")
+    if payload_bytes > MAX_PAYLOAD_BYTES:
+        raise WireError(f"a payload of {payload_bytes} bytes")
+    return header_bytes, payload_bytes
 
 
 def decode_header(frame: bytes) -> LayerHeader:

@@ -1,5 +1,5 @@
 """pdproxy's KV connector without vLLM: a prefill rank's caches gathered and sent over real
-loopback ZMQ sockets, received and scattered into a decode rank's caches at other block ids."""
+loopback TCP sockets, received and scattered into a decode rank's caches at other block ids."""
 
 from __future__ import annotations
 
@@ -15,7 +15,7 @@ from pdproxy.worker.kv import CacheFormat
 from pdproxy.worker.kv_buffer import TransferBuffer
 from pdproxy.worker.kv_keys import transfer_key
 from pdproxy.worker.kv_schedule import LoadSpec, SendSpec
-from pdproxy.worker.kv_transport import ZmqReceiver, ZmqSender
+from pdproxy.worker.kv_tcp import TcpReceiver, TcpSender
 from pdproxy.worker.kv_worker import ConsumerWorker, ProducerWorker, TransferRecord
 
 LAYERS, HEADS, HEAD_DIM, BLOCK, BLOCKS = 3, 2, 8, 16, 12
@@ -49,13 +49,13 @@ class Pair:
             0, GEOMETRY, CacheFormat.BHNC_CPU, "127.0.0.1:1", self.records.append
         )
         self.producer.register(self.prefill_caches)
-        self.sender = ZmqSender(
+        self.sender = TcpSender(
             self.producer.sent, max_queued_bytes=1 << 24, send_timeout=2.0, delay=delay
         )
         self.producer.attach(self.sender)
         self.consumer = ConsumerWorker(0, BLOCK, CacheFormat.BHNC_CPU, timeout, self.records.append)
         self.consumer.register(self.decode_caches)
-        self.receiver = ZmqReceiver("127.0.0.1", port, TransferBuffer(1 << 24, 30.0))
+        self.receiver = TcpReceiver("127.0.0.1", port, TransferBuffer(1 << 24, 30.0))
         self.consumer.attach(self.receiver)
         found = transfer_key(
             f"cmpl-___prefill_addr_127.0.0.1:1___decode_addr_127.0.0.1:{port}_{'a' * 32}-0-12345678"

@@ -19,7 +19,7 @@ from pdproxy.worker.kv import CacheFormat, gather_kv, plan_reads, scatter_kv
 from pdproxy.worker.kv_buffer import TransferBuffer
 from pdproxy.worker.kv_keys import TransferKey, transfer_key
 from pdproxy.worker.kv_schedule import LoadSpec, SendSpec
-from pdproxy.worker.kv_transport import ZmqReceiver, ZmqSender
+from pdproxy.worker.kv_tcp import TcpReceiver, TcpSender
 from pdproxy.worker.kv_worker import ConsumerWorker, ProducerWorker, TransferRecord
 
 LAYERS, HEAD_DIM, BLOCKS = 2, 8, 10
@@ -96,7 +96,7 @@ def fleets() -> Iterator[Callable[..., Fleet]]:
                     for name in NAMES
                 }
                 producer.register(caches)
-                sender = ZmqSender(producer.sent, max_queued_bytes=1 << 24, send_timeout=2.0)
+                sender = TcpSender(producer.sent, max_queued_bytes=1 << 24, send_timeout=2.0)
                 stack.callback(sender.close)
                 producer.attach(sender)
                 producers.append(producer)
@@ -109,7 +109,7 @@ def fleets() -> Iterator[Callable[..., Fleet]]:
                     for name in NAMES
                 }
                 consumer.register(caches)
-                receiver = ZmqReceiver("127.0.0.1", base + rank, TransferBuffer(1 << 24, 30.0))
+                receiver = TcpReceiver("127.0.0.1", base + rank, TransferBuffer(1 << 24, 30.0))
                 stack.callback(receiver.close)
                 consumer.attach(receiver)
                 consumers.append(consumer)

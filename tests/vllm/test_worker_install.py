@@ -20,6 +20,8 @@ WORKER_MODULES = (
     "pdproxy.worker.kv",
     "pdproxy.worker.kv_worker",
     "pdproxy.worker.kv_transport",
+    "pdproxy.worker.kv_tcp",
+    "pdproxy.worker.kv_pool",
     "pdproxy.worker.kv_schedule",
     "pdproxy.worker.stats_reporter",
     "pdproxy.worker.announcer",
