@@ -10,6 +10,14 @@ every request that *starts and finishes* inside the window is recorded.
 * p50, p99 = latency percentiles (nearest rank) of those successful requests, send to last byte
 * errors   = non-2xx responses + broken/refused connections + malformed responses + timeouts
 
+With ``sse=True`` (CLI ``--sse``) it also measures streamed answers: the time to the first body
+byte (TTFB: for an SSE answer, its first event) of every measured 2xx response, and the SSE
+events (``data: ...`` blocks, ``[DONE]`` not counted) each one carried; ``expect_events=N``
+counts a 2xx answer with another number of events as an error (``sse_events``).
+
+* events/s       = SSE events of the measured 2xx responses / window length
+* ttfb p50, p99  = percentiles of send -> first body byte of those responses
+
 Importable::
 
     result = await run_load("127.0.0.1", 8000, "/v1/completions", body, 64, 10.0, 2.0)
@@ -68,16 +76,29 @@ class LoadResult:
     error_kinds: dict[str, int] = field(default_factory=dict)
     unmeasured_errors: int = 0  # failures during warm-up or the stop grace (not in `errors`)
     total_ok: int = 0  # every 2xx response of the run, warm-up and stop grace included
+    client_cpu_s: float | None = None  # this process's CPU (user + system) for the whole run
+    # Only with sse=True (None / 0 otherwise):
+    ttfb_p50_ms: float | None = None  # send -> first body byte, measured 2xx responses
+    ttfb_p90_ms: float | None = None
+    ttfb_p99_ms: float | None = None
+    sse_events: int = 0  # SSE data events in the measured 2xx responses ([DONE] excluded)
+    events_per_s: float = 0.0  # sse_events / duration_s
 
     def to_dict(self) -> dict[str, Any]:
         return asdict(self)
 
     def summary(self) -> str:
-        return (
+        text = (
             f"{self.target} c={self.concurrency}: {self.rps:,.0f} req/s, "
             f"p50 {self.p50_ms:.3f} ms, p99 {self.p99_ms:.3f} ms, "
             f"errors {self.errors} ({self.ok} ok in {self.duration_s:.2f} s)"
         )
+        if self.ttfb_p50_ms is not None and self.ttfb_p99_ms is not None:
+            text += (
+                f"; {self.events_per_s:,.0f} SSE events/s, TTFB p50 {self.ttfb_p50_ms:.3f} ms,"
+                f" p99 {self.ttfb_p99_ms:.3f} ms"
+            )
+        return text
 
 
 def build_request(
@@ -108,7 +129,13 @@ def percentile(sorted_values: list[float], q: float) -> float:
 class _Run:
     """State shared by every connection of one run."""
 
-    def __init__(self, measure_start: float, measure_end: float, max_requests: int | None):
+    def __init__(
+        self,
+        measure_start: float,
+        measure_end: float,
+        max_requests: int | None,
+        expect_events: int | None = None,
+    ):
         self.measure_start = measure_start
         self.measure_end = measure_end
         self.max_requests = max_requests
@@ -122,6 +149,9 @@ class _Run:
         self.total_ok = 0
         self.bytes_received = 0
         self.conns: set[_Conn] = set()
+        self.expect_events = expect_events
+        self.ttfbs: list[float] = []
+        self.sse_events = 0
 
     def in_window(self, t_start: float, t_end: float) -> bool:
         return t_start >= self.measure_start and t_end <= self.measure_end
@@ -139,6 +169,28 @@ class _Run:
         else:
             self.failures += 1
             self.error_kinds[f"http_{status}"] += 1
+        self._check_stop(t_end)
+
+    def record_stream(
+        self, t_start: float, t_first: float | None, t_end: float, status: int, events: int
+    ) -> None:
+        """A complete response with SSE accounting (``sse=True`` runs)."""
+        ok = 200 <= status < 300
+        if ok and self.expect_events is not None and events != self.expect_events:
+            if self.in_window(t_start, t_end):
+                self.status_counts[status] += 1
+                self.failures += 1
+                self.error_kinds["sse_events"] += 1
+                self._check_stop(t_end)
+            else:
+                self.unmeasured_errors += 1
+            return
+        if ok and self.in_window(t_start, t_end):
+            self.ttfbs.append((t_first if t_first is not None else t_end) - t_start)
+            self.sse_events += events
+        self.record_response(t_start, t_end, status)
+
+    def _check_stop(self, t_end: float) -> None:
         if (
             self.max_requests is not None
             and len(self.latencies) + self.failures >= self.max_requests
@@ -227,10 +279,13 @@ class _Conn(asyncio.Protocol):
         self._complete(_clock(), keep_alive=self._parser.should_keep_alive())
 
     # closed loop ------------------------------------------------------------------------
+    def _record(self, now: float) -> None:
+        self._run.record_response(self.t_send, now, self._parser.get_status_code())
+
     def _complete(self, now: float, keep_alive: bool) -> None:
         self.in_flight = False
         run = self._run
-        run.record_response(self.t_send, now, self._parser.get_status_code())
+        self._record(now)
         transport = self._transport
         if transport is None or transport.is_closing():
             return
@@ -278,14 +333,54 @@ class _Conn(asyncio.Protocol):
             self._done.set_result(reason)
 
 
+_SSE_END = b"\n\n"
+_SSE_DONE = b"[DONE]"
+_TAIL = 8  # bytes kept from the previous body piece: an event end or [DONE] may span two
+
+
+class _SseConn(_Conn):
+    """A connection that also times the first body byte and counts SSE events per response."""
+
+    def __init__(self, run: _Run, request: bytes, done: asyncio.Future[str]) -> None:
+        super().__init__(run, request, done)
+        self._t_first: float | None = None
+        self._events = 0
+        self._tail = b""
+
+    def on_message_begin(self) -> None:
+        super().on_message_begin()
+        self._t_first = None
+        self._events = 0
+        self._tail = b""
+
+    def on_body(self, body: bytes) -> None:
+        if self._t_first is None:
+            self._t_first = _clock()
+        tail = self._tail
+        data = tail + body
+        ends = data.count(_SSE_END) - tail.count(_SSE_END)
+        dones = data.count(_SSE_DONE) - tail.count(_SSE_DONE)
+        self._events += ends - dones
+        self._tail = data[-_TAIL:]
+
+    def _record(self, now: float) -> None:
+        status = self._parser.get_status_code()
+        self._run.record_stream(self.t_send, self._t_first, now, status, self._events)
+
+
 async def _worker(
-    run: _Run, host: str, port: int, request: bytes, connect_timeout_s: float
+    run: _Run,
+    host: str,
+    port: int,
+    request: bytes,
+    connect_timeout_s: float,
+    conn_class: type[_Conn] = _Conn,
 ) -> None:
     loop = asyncio.get_running_loop()
     while not run.stopping and _clock() < run.measure_end:
         done: asyncio.Future[str] = loop.create_future()
         t0 = _clock()
-        factory = functools.partial(_Conn, run, request, done)
+        factory = functools.partial(conn_class, run, request, done)
         try:
             await asyncio.wait_for(
                 loop.create_connection(factory, host, port), timeout=connect_timeout_s
@@ -324,11 +419,14 @@ async def run_load(
     connect_timeout_s: float = DEFAULT_CONNECT_TIMEOUT_S,
     extra_headers: dict[str, str] | None = None,
     target: str | None = None,
+    sse: bool = False,
+    expect_events: int | None = None,
 ) -> LoadResult:
     """Run one closed-loop load test and return its measurements.
 
     Bounded: it returns at most about ``warmup_s + duration_s + STOP_GRACE_S`` seconds after
-    it starts, earlier once ``max_requests`` requests were measured.
+    it starts, earlier once ``max_requests`` requests were measured. ``sse=True`` also measures
+    TTFB and counts SSE events (``expect_events``: the count every 2xx answer must carry).
     """
     if concurrency < 1:
         raise ValueError("concurrency must be >= 1")
@@ -338,12 +436,16 @@ async def run_load(
         body = json.dumps(body).encode()
     elif isinstance(body, str):
         body = body.encode()
+    if expect_events is not None and not sse:
+        raise ValueError("expect_events needs sse=True")
     request = build_request(host, port, path, body, extra_headers)
+    conn_class = _SseConn if sse else _Conn
 
+    cpu_start = time.process_time()
     start = _clock()
-    run = _Run(start + warmup_s, start + warmup_s + duration_s, max_requests)
+    run = _Run(start + warmup_s, start + warmup_s + duration_s, max_requests, expect_events)
     workers = [
-        asyncio.create_task(_worker(run, host, port, request, connect_timeout_s))
+        asyncio.create_task(_worker(run, host, port, request, connect_timeout_s, conn_class))
         for _ in range(concurrency)
     ]
     watchdog = asyncio.create_task(_watchdog(run, request_timeout_s))
@@ -366,10 +468,12 @@ async def run_load(
         for conn in list(run.conns):
             conn.force_close()
 
+    client_cpu_s = time.process_time() - cpu_start
     window = max(run.measure_end - run.measure_start, 1e-9)
     lat = sorted(run.latencies)
     ok = len(lat)
     ms = 1000.0
+    ttfbs = sorted(run.ttfbs)
     return LoadResult(
         target=target or f"{host}:{port}{path}",
         concurrency=concurrency,
@@ -388,6 +492,12 @@ async def run_load(
         error_kinds=dict(sorted(run.error_kinds.items())),
         unmeasured_errors=run.unmeasured_errors,
         total_ok=run.total_ok,
+        client_cpu_s=client_cpu_s,
+        ttfb_p50_ms=percentile(ttfbs, 0.50) * ms if sse else None,
+        ttfb_p90_ms=percentile(ttfbs, 0.90) * ms if sse else None,
+        ttfb_p99_ms=percentile(ttfbs, 0.99) * ms if sse else None,
+        sse_events=run.sse_events,
+        events_per_s=run.sse_events / window,
     )
 
 
@@ -407,9 +517,21 @@ def main(argv: list[str] | None = None) -> int:
     )
     parser.add_argument("--target", default=None, help="label for the result")
     parser.add_argument(
+        "--sse", action="store_true", help="also measure TTFB and count SSE events per answer"
+    )
+    parser.add_argument(
+        "--expect-events",
+        type=int,
+        default=None,
+        metavar="N",
+        help="with --sse: a 2xx answer without exactly N SSE events is an error",
+    )
+    parser.add_argument(
         "--json", default=None, metavar="PATH", help="write the result as JSON ('-' = stdout)"
     )
     args = parser.parse_args(argv)
+    if args.expect_events is not None and not args.sse:
+        parser.error("--expect-events needs --sse")
 
     headers: dict[str, str] = {}
     for item in args.header:
@@ -431,6 +553,8 @@ def main(argv: list[str] | None = None) -> int:
             request_timeout_s=args.timeout,
             extra_headers=headers,
             target=args.target,
+            sse=args.sse,
+            expect_events=args.expect_events,
         )
     )
     if args.json == "-":
