@@ -49,6 +49,9 @@ from tests.deploy.support import (
 )
 
 SCHEMA: dict[str, Any] = json.loads((CHART / "values.schema.json").read_text(encoding="utf-8"))
+# Bounds the probes of a proxy the test started: generous, since the suite may run beside
+# real vLLM servers that keep both cores busy.
+PROBE_TIMEOUT_S = 15.0
 DEFAULT_VALUES: dict[str, Any] = yaml.safe_load((CHART / "values.yaml").read_text("utf-8"))
 # Settings the chart sets itself rather than through `config`: the listening addresses (the
 # Services and probes point at them) and the paths of the Secret files it mounts; and the
@@ -591,23 +594,31 @@ def test_the_rendered_proxy_serves_its_probes(name: str, tmp_path: Path) -> None
     env = _proxy_environ(rendered)
     client_key = _client_key(rendered)
     with running_proxy(argv, env, tmp_path / "pdproxy.log") as url:
-        status, _ = http_get(url + spec["livenessProbe"]["httpGet"]["path"])
+        status, _ = http_get(
+            url + spec["livenessProbe"]["httpGet"]["path"], timeout=PROBE_TIMEOUT_S
+        )
         assert status == 200
-        status, body = http_get(url + spec["readinessProbe"]["httpGet"]["path"])
+        status, body = http_get(
+            url + spec["readinessProbe"]["httpGet"]["path"], timeout=PROBE_TIMEOUT_S
+        )
         static = rendered.config.get("prefill") and rendered.config.get("decode")
         # Ready only once a prefill instance has a compatible decode instance: here only the
         # statically configured ones can be there (nothing announces).
         assert status == (200 if static else 503), body
         assert json.loads(body)["status"] == ("ready" if static else "not_ready")
-        status, body = http_get(url + "/metrics")
+        status, body = http_get(url + "/metrics", timeout=PROBE_TIMEOUT_S)
         assert status == 200 and b"pdproxy_registry_instances" in body
         if client_key is not None:  # the keys come from the mounted Secret file
-            status, _ = http_get(url + "/v1/instances")
+            status, _ = http_get(url + "/v1/instances", timeout=PROBE_TIMEOUT_S)
             assert status == 401
-            status, _ = http_get(url + "/v1/instances", headers={"Authorization": "Bearer x"})
+            status, _ = http_get(
+                url + "/v1/instances",
+                headers={"Authorization": "Bearer x"},
+                timeout=PROBE_TIMEOUT_S,
+            )
             assert status == 401
         headers = {} if client_key is None else {"Authorization": f"Bearer {client_key}"}
-        status, body = http_get(url + "/v1/instances", headers=headers)
+        status, body = http_get(url + "/v1/instances", headers=headers, timeout=PROBE_TIMEOUT_S)
         assert status == 200, body
         listed = {i["http_address"] for i in json.loads(body)["instances"]}
         assert len(listed) == len(rendered.config.get("prefill", [])) + len(
