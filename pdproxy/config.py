@@ -28,6 +28,7 @@ from pydantic import (
 from pdproxy.ids import Address, AddressError, parse_address
 from pdproxy.pairing.policies import DecodePolicyName, PrefillPolicyName
 from pdproxy.registry.auth import MIN_SECRET_BYTES, AuthConfigError, parse_cidrs
+from pdproxy.registry.messages import Connector
 
 ENV_PREFIX = "PDPROXY_"
 MiB = 1024 * 1024
@@ -228,6 +229,14 @@ class Settings(BaseModel):
         description="Prompts estimated shorter than this go straight to a decode instance that "
         "can compute them itself (nixl or pdproxy connector), with no prefill leg; 0: never.",
     )
+    concurrent_decode_connectors: list[Connector] = Field(
+        default_factory=lambda: [Connector.PDPROXY],
+        description="Connector kinds (p2p_nccl, pdproxy; repeatable, or comma-separated) whose "
+        "pairs get the decode leg at the same time as the prefill leg instead of after its "
+        "answer: saves the decode leg's way in from the time to first token. Only for "
+        "connectors that load KV asynchronously (pdproxy): p2p_nccl's decode blocks its forward "
+        "pass until the KV arrived; nixl is refused (its decode needs the prefill's answer).",
+    )
     max_attempts: int = Field(
         3,
         ge=1,
@@ -334,7 +343,13 @@ class Settings(BaseModel):
         "line per completion request (ids, chosen pair, leg timings, outcome).",
     )
 
-    @field_validator("registry_v0_cidrs", "registry_address_cidrs", "open_paths", mode="before")
+    @field_validator(
+        "registry_v0_cidrs",
+        "registry_address_cidrs",
+        "open_paths",
+        "concurrent_decode_connectors",
+        mode="before",
+    )
     @classmethod
     def _split_commas(cls, value: Any) -> Any:
         """Each item may hold several, comma-separated (one env variable, one flag)."""
@@ -404,6 +419,16 @@ class Settings(BaseModel):
                 raise ValueError("an API key must be non-empty and contain no whitespace")
         return value
 
+    @field_validator("concurrent_decode_connectors")
+    @classmethod
+    def _connectors_can_overlap(cls, value: list[Connector]) -> list[Connector]:
+        if Connector.NIXL in value:
+            raise ValueError(
+                "nixl cannot run its legs concurrently: its decode leg carries the "
+                "kv_transfer_params of the prefill's answer"
+            )
+        return list(dict.fromkeys(value))
+
     @field_validator("open_paths")
     @classmethod
     def _paths_absolute(cls, value: list[str]) -> list[str]:
@@ -422,6 +447,7 @@ def _flag(name: str) -> str:
 
 
 _LIST_METAVARS = {
+    "concurrent_decode_connectors": "CONNECTOR",
     "registry_v0_cidrs": "CIDR",
     "registry_address_cidrs": "CIDR",
     "api_key": "KEY",
@@ -434,6 +460,7 @@ _LIST_FIELDS = (
     "registry_address_cidrs",
     "api_key",
     "open_paths",
+    "concurrent_decode_connectors",
 )
 
 

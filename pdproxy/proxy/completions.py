@@ -139,6 +139,7 @@ class CompletionsEndpoint:
             "prefill": notes.prefill,
             "decode": notes.decode,
             "direct": notes.direct,
+            "concurrent": notes.concurrent,
             "prefill_ms": _ms(notes.prefill_seconds),
             "decode_first_byte_ms": _ms(notes.decode_first_byte_seconds),
             "attempts": notes.attempts,

@@ -25,7 +25,7 @@ from pdproxy.config import Settings
 from pdproxy.ids import build_request_id
 from pdproxy.metrics import DECODE, PREFILL, Metrics
 from pdproxy.pairing.features import RequestFeatures
-from pdproxy.pairing.planner import Direct
+from pdproxy.pairing.planner import Direct, Pair
 from pdproxy.proxy.deadline import Deadline
 from pdproxy.proxy.errors import ProxyError
 from pdproxy.proxy.exchange import ClientHeaders, Exchange
@@ -39,6 +39,7 @@ from pdproxy.proxy.prompt import request_features
 from pdproxy.proxy.random_ids import RandomHex
 from pdproxy.proxy.request import CompletionRequest
 from pdproxy.proxy.rotation import Rotation
+from pdproxy.proxy.side_by_side import decode_beside_prefill
 from pdproxy.proxy.trace_context import trace_context
 from pdproxy.proxy.tracing import RequestTrace, Tracing
 from pdproxy.proxy.upstream import Reply, Upstream, UpstreamError
@@ -98,6 +99,7 @@ class Dispatcher:
         self._tracing = tracing
         self._new_uid = new_uid or _random_uid()
         self._unit_random = unit_random
+        self._decode_beside_prefill = frozenset(settings.concurrent_decode_connectors)
         self._retry = RetryPolicy(
             settings.max_attempts,
             settings.retry_backoff_base_seconds,
@@ -194,35 +196,96 @@ class Dispatcher:
         pair = await self._rotation.choose(features, avoid)
         notes.prefill, notes.decode = pair.prefill.name, pair.decode.name
         prefill_held = True
+
+        def release_prefill() -> None:
+            nonlocal prefill_held
+            if prefill_held:
+                prefill_held = False
+                self._rotation.release(pair.prefill.http_address, pair.prefill_tokens)
+
         try:
             request_id = build_request_id(
                 pair.prefill.zmq_address, pair.decode.zmq_address, self._new_uid()
             )
             exchange.request_id = request_id
             headers = self.leg_headers(request_id, authorization)
-            with_params = uses_params(pair.connector)
             leg_params = prefill_leg_params(pair.connector, pair.decode)
+            if pair.connector in self._decode_beside_prefill:
+                notes.concurrent = True
+                await self._both_legs(
+                    pair, request, headers, leg_params, exchange, trace, release_prefill
+                )
+                return
             prefill_began = self._rotation.now()
             with trace.leg(PREFILL, pair.prefill.name) as span:
                 answer = await self._prefill(
-                    pair.prefill, request, headers | span, leg_params, exchange
+                    pair.prefill, request, headers | span, leg_params, exchange, exchange.task
                 )
-            self._rotation.release(pair.prefill.http_address, pair.prefill_tokens)
-            prefill_held = False
+            release_prefill()
             if answer.status >= 400:
                 # vLLM refused the request (4xx): the client gets vLLM's own words.
                 self._answered_well(PREFILL, pair.prefill, prefill_began)
                 await exchange.whole(answer.status, answer.content_type.encode(), answer.body)
                 return
+            with_params = uses_params(pair.connector)
             params = self._kv_params(pair.prefill, answer, prefill_began) if with_params else None
             self._answered_well(PREFILL, pair.prefill, prefill_began)
             with trace.leg(DECODE, pair.decode.name) as span:
                 body = request.decode_body(params)
-                await self._decode(pair.decode, body, request, headers | span, exchange)
+                await self._decode(
+                    pair.decode, body, request, headers | span, exchange, exchange.task
+                )
         finally:
-            if prefill_held:
-                self._rotation.release(pair.prefill.http_address, pair.prefill_tokens)
+            release_prefill()
             self._rotation.release(pair.decode.http_address, pair.decode_tokens)
+
+    async def _both_legs(
+        self,
+        pair: Pair,
+        request: CompletionRequest,
+        headers: dict[str, str],
+        leg_params: dict[str, Any] | None,
+        exchange: Exchange,
+        trace: RequestTrace,
+        release_prefill: Callable[[], None],
+    ) -> None:
+        """Prefill and decode sent at once (proxy.side_by_side): for connectors whose decode
+        instance waits for the KV itself without holding its other requests."""
+
+        async def prefill() -> Reply:
+            began = self._rotation.now()
+            task = asyncio.current_task()
+            assert task is not None
+            try:
+                with trace.leg(PREFILL, pair.prefill.name) as span:
+                    answer = await self._prefill(
+                        pair.prefill, request, headers | span, leg_params, exchange, task
+                    )
+            finally:
+                release_prefill()
+            self._answered_well(PREFILL, pair.prefill, began)
+            return answer
+
+        async def decode() -> None:
+            task = asyncio.current_task()
+            assert task is not None
+            with trace.leg(DECODE, pair.decode.name) as span:
+                await self._decode(
+                    pair.decode,
+                    request.decode_body(None),
+                    request,
+                    headers | span,
+                    exchange,
+                    task,
+                    self._settings.prefill_timeout,
+                )
+
+        refusal = await decode_beside_prefill(
+            prefill(), decode(), lambda: exchange.started, exchange.task.get_loop()
+        )
+        if refusal is not None:
+            # vLLM refused the request (4xx) before the decode answered: its own words.
+            await exchange.whole(refusal.status, refusal.content_type.encode(), refusal.body)
 
     async def _serve_direct(
         self,
@@ -239,7 +302,9 @@ class Dispatcher:
             exchange.request_id = self._new_uid()
             headers = self.leg_headers(exchange.request_id, authorization)
             with trace.leg(DECODE, direct.decode.name) as span:
-                await self._decode(direct.decode, request.body, request, headers | span, exchange)
+                await self._decode(
+                    direct.decode, request.body, request, headers | span, exchange, exchange.task
+                )
         finally:
             self._rotation.release(direct.decode.http_address, direct.decode_tokens)
 
@@ -264,14 +329,16 @@ class Dispatcher:
         headers: dict[str, str],
         leg_params: dict[str, Any] | None,
         exchange: Exchange,
+        task: asyncio.Task[Any],
     ) -> Reply:
-        """The prefill answer: 2xx, or a 4xx to relay; anything else raises."""
+        """The prefill answer: 2xx, or a 4xx to relay; anything else raises. `task`: the one
+        this runs in (its deadline cancels it)."""
         settings = self._settings
         started = time.perf_counter()
         body = request.prefill_body(leg_params)
         with (
             self._leg(PREFILL, instance, "answer", settings.prefill_timeout) as wait,
-            Deadline(exchange.task, wait.limit),
+            Deadline(task, wait.limit),
         ):
             reply = await self._upstream.post(
                 instance.http_address,
@@ -301,9 +368,13 @@ class Dispatcher:
         request: CompletionRequest,
         headers: dict[str, str],
         exchange: Exchange,
+        task: asyncio.Task[Any],
+        prefill_wait: float = 0.0,
     ) -> None:
+        """Relay the decode's answer; `task`: the one this runs in (its deadlines cancel it);
+        `prefill_wait`: how long the instance may first wait for a prefill running alongside."""
         settings = self._settings
-        loop = exchange.task.get_loop()
+        loop = task.get_loop()
         started = time.perf_counter()
         # A stream must show its first byte soon (a KV handoff that hangs shows up here); a
         # non-streaming answer arrives whole at the end, so it gets the whole-leg bound.
@@ -312,8 +383,8 @@ class Dispatcher:
         else:
             waiting, limit = "answer", settings.decode_timeout
         with (
-            self._leg(DECODE, instance, waiting, limit) as wait,
-            Deadline(exchange.task, wait.limit) as deadline,
+            self._leg(DECODE, instance, waiting, limit + prefill_wait) as wait,
+            Deadline(task, wait.limit) as deadline,
         ):
             async with self._upstream.stream(
                 "POST", instance.http_address, request.path, body, headers

@@ -43,6 +43,7 @@ class RequestNotes:
     prefill: str | None = None  # the chosen instances' names (http addresses)
     decode: str | None = None
     direct: bool = False  # conditional disaggregation: no prefill leg
+    concurrent: bool = False  # the decode leg was sent with the prefill leg, not after it
     prefill_seconds: float | None = None
     decode_first_byte_seconds: float | None = None
     error: str | None = None  # the error code the client got

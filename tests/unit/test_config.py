@@ -96,6 +96,7 @@ SAMPLES: dict[str, tuple[str, Any]] = {
     "decode_kv_capacity_tokens": ("1000", 1000),
     "allow_unknown_geometry": ("true", True),
     "disagg_min_tokens": ("32", 32),
+    "concurrent_decode_connectors": ("p2p_nccl", ["p2p_nccl"]),
     "max_attempts": ("5", 5),
     "retry_backoff_base_seconds": ("0.01", 0.01),
     "retry_backoff_max_seconds": ("2.5", 2.5),
@@ -160,12 +161,25 @@ def test_defaults() -> None:
     assert settings.decode_policy == "least_kv"
     assert settings.allow_unknown_geometry is False
     assert settings.disagg_min_tokens == 0
+    assert settings.concurrent_decode_connectors == ["pdproxy"]
     assert settings.max_attempts == 3
     assert settings.outlier_consecutive_failures == 5
     assert settings.max_inflight_requests == 10000
     assert settings.instance_max_inflight == 0
     assert settings.api_key == [] and settings.admin_token is None
     assert settings.open_paths == ["/health", "/ready", "/metrics"]
+
+
+def test_concurrent_decode_connectors_take_lists_and_none_and_refuse_nixl() -> None:
+    both = load(["--concurrent-decode-connectors", "pdproxy,p2p_nccl"])
+    assert both.concurrent_decode_connectors == ["pdproxy", "p2p_nccl"]
+    assert load(["--concurrent-decode-connectors", ""]).concurrent_decode_connectors == []
+    environ = {"PDPROXY_CONCURRENT_DECODE_CONNECTORS": "[]"}
+    assert load_settings(None, environ=environ).concurrent_decode_connectors == []
+    with pytest.raises(ConfigError, match="nixl cannot run its legs concurrently"):
+        load(["--concurrent-decode-connectors", "nixl"])
+    with pytest.raises(ConfigError, match="concurrent_decode_connectors"):
+        load(["--concurrent-decode-connectors", "mooncake"])
 
 
 def test_a_bare_boolean_flag_means_true() -> None:

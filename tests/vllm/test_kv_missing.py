@@ -75,14 +75,20 @@ def test_a_prefill_dying_before_its_kv_left(stack: Stack) -> None:
             outcome["error"] = exc
         outcome["seconds"] = time.monotonic() - started
 
+    prefills_before = metric_value(stack.proxy.proxy_url, "pdproxy_prefill_duration_seconds_count")
     caller = threading.Thread(target=through_the_proxy)
     caller.start()
-    # The prefill answered (the decode leg reached the decode instance, so the prefill's answer
-    # reached the proxy) and still sits on the KV: kill it.
+    # The prefill's answer reached the proxy (counted once read whole) and the decode leg
+    # reached the decode instance (the legs run concurrently for this connector), while the
+    # prefill still sits on the KV: kill it.
     wait_until(
-        lambda: any(r["event"] == "new" and r.get("transfer") for r in stack.decode.records()),
+        lambda: (
+            metric_value(stack.proxy.proxy_url, "pdproxy_prefill_duration_seconds_count")
+            > prefills_before
+            and any(r["event"] == "new" and r.get("transfer") for r in stack.decode.records())
+        ),
         60,
-        "the decode leg to arrive",
+        "the prefill's answer at the proxy and the decode leg at the decode instance",
     )
     assert stack.prefill.process is not None
     stack.prefill.process.signal(signal.SIGKILL)

@@ -39,6 +39,10 @@ def stack(
         vllm_model,
         tmp_path_factory.mktemp(f"kv-tp-{p_tp}-{d_tp}"),
         (f"vllm-P-tp{p_tp}", f"vllm-D-tp{d_tp}"),
+        # Legs in sequence: the TP 2 instance spans both of this machine's cores, and a decode
+        # instance that already holds a request waiting for KV steps its engine without pause
+        # (vLLM's busy loop), which starved the prefill's cross-rank all-reduce for minutes.
+        proxy_args=["--concurrent-decode-connectors", ""],
         prefill={"tp_size": p_tp, "cpu": cores[p_tp]},
         decode={"tp_size": d_tp, "cpu": "1" if d_tp == 1 else cores[d_tp]},
     ) as made:
