@@ -7,6 +7,7 @@ The two completion endpoints are served by a lean ASGI endpoint (the hot path); 
 from __future__ import annotations
 
 import contextlib
+import gc
 import logging
 import time
 from collections.abc import AsyncIterator, Callable, MutableMapping
@@ -179,6 +180,13 @@ class PdproxyApp:
             )
             for path in COMPLETION_PATHS
         }
+        # Everything built so far lives as long as the process: out of the collector's sight,
+        # so the full collections that requests' garbage triggers do not walk it each time;
+        # and collections less often (the hot path makes few reference cycles). Measured at
+        # c=64 on one core (docs/performance.md): p99 51-61 ms -> 17-29 ms, req/s about +15%.
+        gc.collect()
+        gc.freeze()
+        gc.set_threshold(20_000, 20, 20)
         log.info(
             "pdproxy ready to serve on %s:%d (registry %s, prefill policy %s, decode policy %s)",
             self.settings.host,
