@@ -74,6 +74,7 @@ from dataclasses import asdict, dataclass, field
 from pathlib import Path
 from typing import IO, Any
 
+from arg_types import positive_int
 from unwind import Terminated, signals_unwind
 
 REPO_ROOT = Path(__file__).resolve().parent.parent
@@ -940,31 +941,26 @@ def _block_list(text: str) -> list[int]:
     return values
 
 
-def _positive(text: str) -> int:
-    value = int(text)
-    if value < 1:
-        raise argparse.ArgumentTypeError(f"{value} is not a positive integer")
-    return value
-
-
 def parse_args(argv: list[str] | None) -> argparse.Namespace:
     parser = argparse.ArgumentParser(
         description="pdproxy's KV transport between two local processes vs a plain socket copy."
     )
     add = parser.add_argument
     add("--blocks", type=_block_list, default=list(DEFAULT_BLOCKS), help="default 1,16,256,2048")
-    add("--layers", type=_positive, default=32, help="attention layers (default 32)")
-    add("--heads", type=_positive, default=2, help="KV heads of the rank (default 2)")
-    add("--head-dim", type=_positive, default=128, help="default 128")
-    add("--block-size", type=_positive, default=16, help="tokens per block (default 16)")
+    add("--layers", type=positive_int, default=32, help="attention layers (default 32)")
+    add("--heads", type=positive_int, default=2, help="KV heads of the rank (default 2)")
+    add("--head-dim", type=positive_int, default=128, help="default 128")
+    add("--block-size", type=positive_int, default=16, help="tokens per block (default 16)")
     add("--dtype", choices=sorted(DTYPE_BYTES), default="bfloat16", help="default bfloat16")
-    add("--repeats", type=_positive, default=None, help="requests per size (default 5..50)")
+    add("--repeats", type=positive_int, default=None, help="requests per size (default 5..50)")
     add("--timeout", type=float, default=60.0, help="send timeout and per-request bound")
-    add("--plain-send-chunk", type=_positive, default=1 << 20, help="chunked baseline: 1 MiB")
-    add("--plain-recv-chunk", type=_positive, default=128 << 10, help="chunked baseline: 128 KiB")
+    add("--plain-send-chunk", type=positive_int, default=1 << 20, help="chunked baseline: 1 MiB")
+    add(
+        "--plain-recv-chunk", type=positive_int, default=128 << 10, help="chunked baseline: 128 KiB"
+    )
     add("--gil-busy-ms", type=float, default=0.0, help="a Python thread in each child busy ...")
     add("--gil-idle-ms", type=float, default=0.0, help="... then idle this long (default off)")
-    add("--socket-buffer", type=_positive, default=None, help="tcp: SO_SNDBUF/SO_RCVBUF bytes")
+    add("--socket-buffer", type=positive_int, default=None, help="tcp: SO_SNDBUF/SO_RCVBUF bytes")
     add("--pool-bytes", type=int, default=None, help="tcp: receive pool cap (0: no pool)")
     add("--pin", action="store_true", help="sender on one core, receiver on another")
     add("--log-dir", default=None, help="child logs (default: a new temp dir)")

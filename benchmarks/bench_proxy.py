@@ -309,15 +309,7 @@ def _run_loadgen(
         raise BenchError(f"load generator for {target} c={concurrency} did not finish") from exc
     finally:
         group.stop(item)
-    if proc.returncode != 0:
-        raise BenchError(
-            f"load generator for {target} c={concurrency} failed ({proc.returncode}):\n"
-            + err.decode(errors="replace")[-2000:]
-        )
-    lines = out.decode().strip().splitlines()
-    if not lines:
-        raise BenchError(f"load generator for {target} c={concurrency} printed nothing")
-    result: dict[str, Any] = json.loads(lines[-1])
+    result = loadgen_result(proc.returncode, out, err, f"{target} c={concurrency}")
     # CPU the server under test (proxy, or the backend for `direct`) spent per answered
     # request over the whole load run, warm-up included. Clock ticks are 10 ms, so this is
     # meaningful for runs of a few seconds or more.
@@ -328,6 +320,21 @@ def _run_loadgen(
         result["server_cpu_s"] = cpu
         if result.get("total_ok"):
             result["server_cpu_us_per_req"] = cpu / result["total_ok"] * 1e6
+    return result
+
+
+def loadgen_result(returncode: int | None, out: bytes, err: bytes, what: str) -> dict[str, Any]:
+    """The load generator's summary (the JSON of its last stdout line), or a BenchError that
+    says how it failed."""
+    if returncode != 0:
+        raise BenchError(
+            f"load generator for {what} failed ({returncode}):\n"
+            + err.decode(errors="replace")[-2000:]
+        )
+    lines = out.decode().strip().splitlines()
+    if not lines:
+        raise BenchError(f"load generator for {what} printed nothing")
+    result: dict[str, Any] = json.loads(lines[-1])
     return result
 
 

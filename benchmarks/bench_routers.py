@@ -47,6 +47,7 @@ from dataclasses import dataclass
 from pathlib import Path
 from typing import Any
 
+from arg_types import positive_int
 from bench_proxy import (
     _PREEXEC,
     BACKEND_START_TIMEOUT_S,
@@ -59,6 +60,7 @@ from bench_proxy import (
     Pinning,
     ProcessGroup,
     Started,
+    loadgen_result,
 )
 from bench_proxy import _cpu_model as cpu_model
 from bench_proxy import _free_ports as free_ports
@@ -399,15 +401,7 @@ def run_loadgen(
     server_cpu1 = group_cpu_seconds(server.proc.pid)
     aux_cpu1 = [group_cpu_seconds(pid) for pid in aux]
     group.stop(item)
-    if item.proc.returncode != 0:
-        raise BenchError(
-            f"load generator for {label} c={concurrency} failed ({item.proc.returncode}):\n"
-            + err.decode(errors="replace")[-2000:]
-        )
-    lines = out.decode().strip().splitlines()
-    if not lines:
-        raise BenchError(f"load generator for {label} c={concurrency} printed nothing")
-    result: dict[str, Any] = json.loads(lines[-1])
+    result = loadgen_result(item.proc.returncode, out, err, f"{label} c={concurrency}")
     result["router"] = label
     result["server_cpu_s"] = None
     result["server_cpu_us_per_req"] = None
@@ -874,13 +868,6 @@ def _csv_routers(text: str) -> list[str]:
     return names
 
 
-def _positive_int(text: str) -> int:
-    value = int(text)
-    if value < 1:
-        raise argparse.ArgumentTypeError(f"{value} is not a positive integer")
-    return value
-
-
 def parse_args(argv: list[str] | None) -> argparse.Namespace:
     parser = argparse.ArgumentParser(
         description="pdproxy vs. vllm-router vs. sglang-router (P/D, round robin), one core each."
@@ -892,7 +879,7 @@ def parse_args(argv: list[str] | None) -> argparse.Namespace:
         help="non-streaming connection counts (default 1,64,256)")  # fmt: skip
     add("--routers", type=_csv_routers, default=list(ROUTERS),
         help=f"routers to run, in order (default {','.join(ROUTERS)})")  # fmt: skip
-    add("--stream-tokens", type=_positive_int, default=256, help="SSE events per streamed answer")
+    add("--stream-tokens", type=positive_int, default=256, help="SSE events per streamed answer")
     add(
         "--stream-interval-ms",
         type=int,
@@ -901,17 +888,17 @@ def parse_args(argv: list[str] | None) -> argparse.Namespace:
     )
     add(
         "--stream-concurrency",
-        type=_positive_int,
+        type=positive_int,
         default=64,
         help="concurrent streams (default 64)",
     )
     add(
         "--idle-streams",
-        type=_positive_int,
+        type=positive_int,
         default=10_000,
         help="idle streams held (default 10000)",
     )
-    add("--idle-interval-ms", type=_positive_int, default=5000,
+    add("--idle-interval-ms", type=positive_int, default=5000,
         help="ms between two tokens of an idle stream (default 5000)")  # fmt: skip
     add(
         "--idle-hold", type=float, default=5.0, help="seconds all idle streams are held (default 5)"
@@ -922,11 +909,11 @@ def parse_args(argv: list[str] | None) -> argparse.Namespace:
         default=180.0,
         help="seconds to open them all (default 180)",
     )
-    add("--connect-limit", type=_positive_int, default=DEFAULT_CONNECT_LIMIT,
+    add("--connect-limit", type=positive_int, default=DEFAULT_CONNECT_LIMIT,
         help=f"idle streams being connected at once (default {DEFAULT_CONNECT_LIMIT})")  # fmt: skip
     add(
         "--fd-reserve",
-        type=_positive_int,
+        type=positive_int,
         default=FD_RESERVE,
         help="descriptors a router needs beside 2 per idle stream; --idle-streams is capped to "
         f"fit RLIMIT_NOFILE (default {FD_RESERVE})",

@@ -41,6 +41,7 @@ from dataclasses import asdict, dataclass
 from pathlib import Path
 from typing import Any
 
+from arg_types import positive_int
 from unwind import Terminated, signals_unwind
 
 from pdproxy.testing.fleet import LocalFleet, WorkerSpec
@@ -362,13 +363,6 @@ def report_lines(result: dict[str, Any]) -> list[str]:
         f"bad streams            {r['bad_streams']:,} {r['problems'] or ''}",
         f"listen overflows       {r['listen_overflows']} (system-wide, whole run)",
     ]
-
-
-def positive_int(text: str) -> int:
-    value = int(text)
-    if value < 1:
-        raise argparse.ArgumentTypeError(f"{value} is not a positive integer")
-    return value
 
 
 def parse_args(argv: list[str] | None) -> argparse.Namespace:
