@@ -25,7 +25,7 @@ import time
 import uuid
 from pathlib import Path
 
-from unwind import signals_unwind
+from unwind import run_unwound
 
 from pdproxy.testing.fleet import LocalFleet
 from pdproxy.testing.processes import LOOPBACK, free_ports, wait_until
@@ -141,8 +141,7 @@ def main() -> None:
     parser.add_argument("--prompt-words", type=int, default=200)
     parser.add_argument("--max-tokens", type=int, default=8)
     args = parser.parse_args()
-    with signals_unwind():
-        samples = measure(args)
+    samples = run_unwound(lambda: measure(args), (RuntimeError, TimeoutError, OSError))
     report(samples, args)
 
 

@@ -75,7 +75,7 @@ from pathlib import Path
 from typing import IO, Any
 
 from arg_types import positive_int
-from unwind import Terminated, signals_unwind
+from unwind import run_unwound, write_json_report
 
 REPO_ROOT = Path(__file__).resolve().parent.parent
 LOOPBACK = "127.0.0.1"
@@ -978,18 +978,7 @@ def main(argv: list[str] | None = None) -> int:
     if args.role == "receiver":
         run_receiver(args)
         return 0
-    try:
-        with signals_unwind():
-            report = run_bench(args)
-    except (BenchError, TimeoutError, OSError) as exc:
-        print(f"benchmark failed: {exc}", file=sys.stderr)
-        return 1
-    except KeyboardInterrupt:
-        print("interrupted; all started processes were stopped", file=sys.stderr)
-        return 130
-    except Terminated as exc:
-        print(f"got {exc}; all started processes were stopped", file=sys.stderr)
-        return 128 + exc.signum
+    report = run_unwound(lambda: run_bench(args), (BenchError, TimeoutError, OSError))
     print()
     print(table(report["results"]))
     print("\nwhere the time goes (medians per request; CPU of the whole process, all threads):")
@@ -1007,10 +996,7 @@ def main(argv: list[str] | None = None) -> int:
         )
     )
     if args.json:
-        out = Path(args.json)
-        out.parent.mkdir(parents=True, exist_ok=True)
-        out.write_text(json.dumps(report, indent=2) + "\n", encoding="utf-8")
-        print(f"wrote {out}")
+        write_json_report(args.json, report)
     return 0
 
 

@@ -37,7 +37,7 @@ from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any
 
-from unwind import Terminated, signals_unwind
+from unwind import run_unwound, write_json_report
 
 BENCH_DIR = Path(__file__).resolve().parent
 REPO_ROOT = BENCH_DIR.parent
@@ -176,7 +176,7 @@ def _free_ports(count: int) -> list[int]:
             s.close()
 
 
-def _http(
+def http_request(
     method: str, port: int, path: str, body: bytes | None = None, timeout: float = 2.0
 ) -> tuple[int, bytes]:
     # http.client, not urllib: urllib would honour http_proxy variables for 127.0.0.1.
@@ -208,7 +208,7 @@ def _wait_http_ok(item: Started, port: int, path: str, timeout_s: float) -> None
                 f"{item.name} exited with code {code} before {path} was OK" + _log_tail(item)
             )
         try:
-            status, _ = _http("GET", port, path, timeout=1.0)
+            status, _ = http_request("GET", port, path, timeout=1.0)
         except OSError as exc:
             last = f"{type(exc).__name__}: {exc}"
         else:
@@ -225,7 +225,7 @@ def _wait_http_ok(item: Started, port: int, path: str, timeout_s: float) -> None
 def _smoke(name: str, port: int, item: Started | None = None) -> None:
     """One request through the target: it must answer 200 with an OpenAI-shaped body."""
     try:
-        status, raw = _http("POST", port, PATH, json.dumps(BODY).encode(), timeout=10.0)
+        status, raw = http_request("POST", port, PATH, json.dumps(BODY).encode(), timeout=10.0)
     except OSError as exc:
         raise BenchError(
             f"smoke request to {name} failed: {exc}" + (_log_tail(item) if item else "")
@@ -553,28 +553,14 @@ def main(argv: list[str] | None = None) -> int:
     if args.duration <= 0 or args.warmup < 0:
         parser.error("--duration must be > 0 and --warmup >= 0")
 
-    try:
-        with signals_unwind():
-            report = run_bench(args)
-    except BenchError as exc:
-        print(f"benchmark failed: {exc}", file=sys.stderr)
-        return 1
-    except KeyboardInterrupt:
-        print("interrupted; all started processes were stopped", file=sys.stderr)
-        return 130
-    except Terminated as exc:
-        print(f"got {exc}; all started processes were stopped", file=sys.stderr)
-        return 128 + exc.signum
+    report = run_unwound(lambda: run_bench(args), (BenchError,))
 
     print()
     print(_fmt_table(report["results"]))
     if not report["meta"]["pinned"]:
         print(f"\nNOTE: {report['meta']['pinning']}")
     if args.json:
-        out = Path(args.json)
-        out.parent.mkdir(parents=True, exist_ok=True)
-        out.write_text(json.dumps(report, indent=2) + "\n", encoding="utf-8")
-        print(f"\nwrote {out}")
+        write_json_report(args.json, report)
     return 0
 
 

@@ -32,7 +32,6 @@ import argparse
 import asyncio
 import contextlib
 import datetime as dt
-import http.client
 import json
 import math
 import os
@@ -60,6 +59,7 @@ from bench_proxy import (
     Pinning,
     ProcessGroup,
     Started,
+    http_request,
     loadgen_result,
 )
 from bench_proxy import _cpu_model as cpu_model
@@ -73,7 +73,7 @@ from bench_streams import PROXY_DEFAULT_UPSTREAM_SLOTS, SLOT_HEADROOM, listen_ov
 from bench_streams import raise_fd_limit as raise_soft_fd_limit
 from fast_backend import MAX_STREAM_EVENTS
 from router_env import ROUTER_PINS, RouterEnv, RouterEnvError
-from unwind import Terminated, signals_unwind
+from unwind import run_unwound, write_json_report
 
 from pdproxy.testing.stream_crowd import (
     DEFAULT_CONNECT_LIMIT,
@@ -159,20 +159,6 @@ def raise_fd_limit(wanted: int) -> int:
 def idle_streams_that_fit(fd_limit: int, reserve: int) -> int:
     """Streams a router can hold: two descriptors each (the client's and the decode leg's)."""
     return max(1, (fd_limit - reserve) // FDS_PER_STREAM)
-
-
-def http_request(
-    method: str, port: int, path: str, body: bytes | None = None, timeout: float = 5.0
-) -> tuple[int, bytes]:
-    # http.client, not urllib: urllib would honour http_proxy variables for 127.0.0.1.
-    conn = http.client.HTTPConnection(HOST, port, timeout=timeout)
-    try:
-        headers = {"Content-Type": "application/json"} if body is not None else {}
-        conn.request(method, path, body=body, headers=headers)
-        resp = conn.getresponse()
-        return resp.status, resp.read()
-    finally:
-        conn.close()
 
 
 def backend_stats(port: int) -> dict[str, int]:
@@ -947,18 +933,7 @@ def parse_args(argv: list[str] | None) -> argparse.Namespace:
 
 def main(argv: list[str] | None = None) -> int:
     args = parse_args(argv)
-    try:
-        with signals_unwind():
-            report = run_bench(args)
-    except (BenchError, CrowdError) as exc:
-        print(f"benchmark failed: {exc}", file=sys.stderr)
-        return 1
-    except KeyboardInterrupt:
-        print("interrupted; all started processes were stopped", file=sys.stderr)
-        return 130
-    except Terminated as exc:
-        print(f"got {exc}; all started processes were stopped", file=sys.stderr)
-        return 128 + exc.signum
+    report = run_unwound(lambda: run_bench(args), (BenchError, CrowdError))
     meta = report["meta"]
     print()
     print(tables(report))
@@ -970,10 +945,7 @@ def main(argv: list[str] | None = None) -> int:
     if meta["idle_streams_note"]:
         print(f"NOTE: {meta['idle_streams_note']}")
     if args.json:
-        out = Path(args.json)
-        out.parent.mkdir(parents=True, exist_ok=True)
-        out.write_text(json.dumps(report, indent=2) + "\n", encoding="utf-8")
-        print(f"wrote {out}")
+        write_json_report(args.json, report)
     return 0
 
 

@@ -30,7 +30,6 @@ import argparse
 import asyncio
 import contextlib
 import datetime as dt
-import json
 import os
 import platform
 import resource
@@ -42,7 +41,7 @@ from pathlib import Path
 from typing import Any
 
 from arg_types import positive_int
-from unwind import Terminated, signals_unwind
+from unwind import run_unwound, write_json_report
 
 from pdproxy.testing.fleet import LocalFleet, WorkerSpec
 from pdproxy.testing.processes import LOOPBACK, http_get, wait_until
@@ -403,18 +402,9 @@ def parse_args(argv: list[str] | None) -> argparse.Namespace:
 
 def main(argv: list[str] | None = None) -> int:
     args = parse_args(argv)
-    try:
-        with signals_unwind():
-            report = run_bench(args)
-    except (BenchError, CrowdError, TimeoutError, RuntimeError) as exc:
-        print(f"benchmark failed: {exc}", file=sys.stderr)
-        return 1
-    except KeyboardInterrupt:
-        print("interrupted; all started processes were stopped", file=sys.stderr)
-        return 130
-    except Terminated as exc:
-        print(f"got {exc}; all started processes were stopped", file=sys.stderr)
-        return 128 + exc.signum
+    report = run_unwound(
+        lambda: run_bench(args), (BenchError, CrowdError, TimeoutError, RuntimeError)
+    )
     result = report["result"]
     print()
     print("\n".join(report_lines(result)))
@@ -423,10 +413,7 @@ def main(argv: list[str] | None = None) -> int:
     if not report["meta"]["pinned"]:
         print(f"\nNOTE: unpinned: {report['meta']['pinning']}")
     if args.json:
-        out = Path(args.json)
-        out.parent.mkdir(parents=True, exist_ok=True)
-        out.write_text(json.dumps(report, indent=2) + "\n", encoding="utf-8")
-        print(f"\nwrote {out}")
+        write_json_report(args.json, report)
     return 1 if result["bad_streams"] else 0
 
 
