@@ -37,6 +37,7 @@ from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any
 
+from arg_types import positive_ints
 from unwind import run_unwound, write_json_report
 
 BENCH_DIR = Path(__file__).resolve().parent
@@ -383,16 +384,6 @@ def _fmt_table(rows: list[dict[str, Any]]) -> str:
     return "\n".join(lines)
 
 
-def _parse_concurrency(text: str) -> list[int]:
-    try:
-        values = [int(part) for part in text.split(",") if part.strip()]
-    except ValueError as exc:
-        raise argparse.ArgumentTypeError(f"bad --concurrency {text!r}") from exc
-    if not values or any(v < 1 for v in values):
-        raise argparse.ArgumentTypeError(f"bad --concurrency {text!r}")
-    return values
-
-
 def _cpu_model() -> str:
     with contextlib.suppress(OSError):
         for line in Path("/proc/cpuinfo").read_text().splitlines():
@@ -530,7 +521,7 @@ def main(argv: list[str] | None = None) -> int:
     parser.add_argument("--warmup", type=float, default=2.0, help="unmeasured seconds per run")
     parser.add_argument(
         "--concurrency",
-        type=_parse_concurrency,
+        type=positive_ints,
         default=[1, 64],
         help="comma-separated connection counts (default 1,64)",
     )

@@ -46,7 +46,7 @@ from dataclasses import dataclass
 from pathlib import Path
 from typing import Any
 
-from arg_types import positive_int
+from arg_types import positive_int, positive_ints
 from bench_proxy import (
     _PREEXEC,
     BACKEND_START_TIMEOUT_S,
@@ -836,16 +836,6 @@ def _order(name: str) -> int:
 # ---- CLI ---------------------------------------------------------------------------------------
 
 
-def _csv_ints(text: str) -> list[int]:
-    try:
-        values = [int(part) for part in text.split(",") if part.strip()]
-    except ValueError as exc:
-        raise argparse.ArgumentTypeError(f"bad list {text!r}") from exc
-    if not values or any(v < 1 for v in values):
-        raise argparse.ArgumentTypeError(f"bad list {text!r}")
-    return values
-
-
 def _csv_routers(text: str) -> list[str]:
     names = [part.strip() for part in text.split(",") if part.strip()]
     unknown = [n for n in names if n not in ROUTERS]
@@ -861,7 +851,7 @@ def parse_args(argv: list[str] | None) -> argparse.Namespace:
     add = parser.add_argument
     add("--duration", type=float, default=10.0, help="measured seconds per load run (default 10)")
     add("--warmup", type=float, default=2.0, help="unmeasured seconds per load run (default 2)")
-    add("--concurrency", type=_csv_ints, default=[1, 64, 256],
+    add("--concurrency", type=positive_ints, default=[1, 64, 256],
         help="non-streaming connection counts (default 1,64,256)")  # fmt: skip
     add("--routers", type=_csv_routers, default=list(ROUTERS),
         help=f"routers to run, in order (default {','.join(ROUTERS)})")  # fmt: skip

@@ -17,6 +17,7 @@ from pdproxy.worker.kv_keys import transfer_key
 from pdproxy.worker.kv_schedule import LoadSpec, SendSpec
 from pdproxy.worker.kv_tcp import TcpReceiver, TcpSender
 from pdproxy.worker.kv_worker import ConsumerWorker, ProducerWorker, TransferRecord
+from tests.integration.kv_support import random_caches
 
 LAYERS, HEADS, HEAD_DIM, BLOCK, BLOCKS = 3, 2, 8, 16, 12
 GEOMETRY = KvGeometry(1, BLOCK, LAYERS, HEADS, HEAD_DIM, "float32", False, KvLayout.HND)
@@ -24,9 +25,7 @@ NAMES = [f"model.layers.{i}.self_attn.attn" for i in range(LAYERS)]
 
 
 def caches(seed: int) -> dict[str, torch.Tensor]:
-    generator = torch.Generator().manual_seed(seed)
-    shape = (BLOCKS, HEADS, BLOCK, 2 * HEAD_DIM)
-    return {name: torch.randn(shape, generator=generator) for name in NAMES}
+    return random_caches(NAMES, (BLOCKS, HEADS, BLOCK, 2 * HEAD_DIM), seed)
 
 
 def token_kv(cache: torch.Tensor, block_ids: list[int], token: int) -> torch.Tensor:

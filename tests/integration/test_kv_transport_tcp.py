@@ -23,6 +23,7 @@ from pdproxy.worker.kv_tcp import TcpReceiver, TcpSender
 from pdproxy.worker.kv_wire import LayerHeader, frame_prefix
 from pdproxy.worker.kv_worker import ConsumerWorker, ProducerWorker, TransferRecord
 from tests.integration import test_kv_transfer_tp as tp
+from tests.integration.kv_support import random_caches
 
 MIB = 1 << 20
 LOCAL = "127.0.0.1"
@@ -452,9 +453,7 @@ NAMES = [f"model.layers.{i}.self_attn.attn" for i in range(LAYERS)]
 
 
 def caches(seed: int) -> dict[str, torch.Tensor]:
-    generator = torch.Generator().manual_seed(seed)
-    shape = (BLOCKS, HEADS, BLOCK, 2 * HEAD_DIM)
-    return {name: torch.randn(shape, generator=generator) for name in NAMES}
+    return random_caches(NAMES, (BLOCKS, HEADS, BLOCK, 2 * HEAD_DIM), seed)
 
 
 def load_once(consumer: ConsumerWorker, request: str) -> None:
