@@ -127,6 +127,49 @@ def test_nested_deadlines_blame_the_one_that_expired() -> None:
     assert run(body()) == "outer intact"
 
 
+def test_a_bound_moved_later_again_and_again_holds_until_it_stops_moving() -> None:
+    async def body() -> None:
+        task = await this_task()
+        loop = task.get_loop()
+        with pytest.raises(TimeoutError), Deadline(task, 0.05) as deadline:
+            for _ in range(20):  # 0.2 s in all, well past the first bound
+                await asyncio.sleep(0.01)
+                deadline.reschedule(loop.time() + 0.05)
+            assert not deadline.expired()
+            moved_last = loop.time()
+            await asyncio.sleep(5)
+        assert 0.04 <= loop.time() - moved_last < 1.0
+
+    run(body())
+
+
+def test_a_bound_lifted_while_armed_then_set_again_counts_from_the_new_time() -> None:
+    async def body() -> None:
+        task = await this_task()
+        loop = task.get_loop()
+        with pytest.raises(TimeoutError), Deadline(task, 0.02) as deadline:
+            deadline.reschedule(None)
+            await asyncio.sleep(0.06)  # the armed timer fires and finds no bound
+            assert not deadline.expired()
+            deadline.reschedule(loop.time() + 0.02)
+            await asyncio.sleep(5)
+
+    run(body())
+
+
+def test_a_bound_moved_earlier_fires_at_the_earlier_time() -> None:
+    async def body() -> None:
+        task = await this_task()
+        loop = task.get_loop()
+        began = loop.time()
+        with pytest.raises(TimeoutError), Deadline(task, 5) as deadline:
+            deadline.reschedule(loop.time() + 0.01)
+            await asyncio.sleep(5)
+        assert loop.time() - began < 1.0
+
+    run(body())
+
+
 def test_random_hex_is_fresh_hex_of_the_asked_length() -> None:
     source = RandomHex()
     ids = [source.hex(16) for _ in range(2000)]  # crosses several refills
