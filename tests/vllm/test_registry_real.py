@@ -157,12 +157,24 @@ def test_announce_sidecar_reports_real_vllm_load(real_stack: RealStack, tmp_path
 
         for worker in workers:
             worker.start()
-        wait_until(
-            lambda: announced().get("load", {}).get("running") == 2,
-            20.0,
-            "the sidecar to report two running requests",
-            [sidecar],
-        )
+        try:
+            wait_until(
+                lambda: announced().get("load", {}).get("running") == 2,
+                20.0,
+                "the sidecar to report two running requests",
+                [sidecar],
+            )
+        except TimeoutError as exc:
+            # What was seen instead: the last announced load, what vLLM itself says, and how
+            # the two generations fared.
+            running = [
+                line
+                for line in server.metrics_text().splitlines()
+                if line.startswith(("vllm:num_requests_running", "vllm:num_requests_waiting"))
+            ]
+            raise AssertionError(
+                f"{exc}\nlast announced: {announced()}\nvLLM: {running}\nerrors: {errors}"
+            ) from None
         busy = announced()["load"]
         assert busy["kv_usage"] > 0.0
         stop.set()
