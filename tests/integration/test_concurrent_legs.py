@@ -88,39 +88,26 @@ def test_pdproxy_pairs_send_the_decode_leg_before_the_prefill_finished(
     assert decode.events()["kv_ok"] == [request_id]
 
 
-def test_an_empty_list_keeps_the_legs_in_sequence(fleet_factory: FleetFactory) -> None:
+@pytest.mark.parametrize(
+    ("connector", "listed", "concurrent"),
+    [
+        ("pdproxy", "", False),  # an empty list keeps every pair's legs in sequence
+        ("p2p_nccl", None, False),  # p2p_nccl is not in the default list
+        ("p2p_nccl", "p2p_nccl", True),  # ... and overlaps when it is listed
+    ],
+)
+def test_the_list_decides_which_connector_kinds_overlap_their_legs(
+    fleet_factory: FleetFactory, connector: str, listed: str | None, concurrent: bool
+) -> None:
     fleet = fleet_factory(
-        [spec("P", "pdproxy", prefill_latency_ms=PREFILL_MS), spec("D", "pdproxy")],
-        proxy_args=["--concurrent-decode-connectors", ""],
+        [spec("P", connector, prefill_latency_ms=PREFILL_MS), spec("D", connector)],
+        proxy_args=[] if listed is None else ["--concurrent-decode-connectors", listed],
     )
     answer = post_json(fleet.proxy_url + path(False), body())
     assert answer.status == 200, answer.body
     [decode_got] = arrival(fleet.role("D")[0]).values()
     [pushed] = kv_sent(fleet.role("P")[0])
-    assert decode_got > pushed
-
-
-def test_p2p_nccl_pairs_stay_sequential_by_default(fleet_factory: FleetFactory) -> None:
-    fleet = fleet_factory(
-        [spec("P", "p2p_nccl", prefill_latency_ms=PREFILL_MS), spec("D", "p2p_nccl")]
-    )
-    answer = post_json(fleet.proxy_url + path(False), body())
-    assert answer.status == 200, answer.body
-    [decode_got] = arrival(fleet.role("D")[0]).values()
-    [pushed] = kv_sent(fleet.role("P")[0])
-    assert decode_got > pushed
-
-
-def test_p2p_nccl_pairs_overlap_when_listed(fleet_factory: FleetFactory) -> None:
-    fleet = fleet_factory(
-        [spec("P", "p2p_nccl", prefill_latency_ms=PREFILL_MS), spec("D", "p2p_nccl")],
-        proxy_args=["--concurrent-decode-connectors", "p2p_nccl"],
-    )
-    answer = post_json(fleet.proxy_url + path(False), body())
-    assert answer.status == 200, answer.body
-    [decode_got] = arrival(fleet.role("D")[0]).values()
-    [pushed] = kv_sent(fleet.role("P")[0])
-    assert decode_got < pushed
+    assert (decode_got < pushed) is concurrent
 
 
 def aborted_ids(worker: Worker) -> set[str]:
