@@ -11,7 +11,7 @@ from __future__ import annotations
 import asyncio
 import contextlib
 from collections import deque
-from collections.abc import AsyncIterator, Iterator
+from collections.abc import Iterator
 
 from pdproxy.metrics import Metrics
 from pdproxy.proxy.errors import ProxyError
@@ -40,13 +40,9 @@ class Admission:
     def idle(self) -> bool:
         return self.active == 0 and self.waiting == 0
 
-    @contextlib.asynccontextmanager
-    async def slot(self) -> AsyncIterator[None]:
-        await self._enter()
-        try:
-            yield
-        finally:
-            self._leave()
+    def slot(self) -> _Slot:
+        """`async with admission.slot():` holds one of the slots for the block."""
+        return _Slot(self)
 
     @contextlib.contextmanager
     def queued(self) -> Iterator[None]:
@@ -125,3 +121,18 @@ class Admission:
 
     def _refused(self, reason: str) -> None:
         self._metrics.refused.labels(reason).inc()
+
+
+class _Slot:
+    """Admission.slot's context manager. (A class, not an async generator: one per request.)"""
+
+    __slots__ = ("_admission",)
+
+    def __init__(self, admission: Admission) -> None:
+        self._admission = admission
+
+    async def __aenter__(self) -> None:
+        await self._admission._enter()
+
+    async def __aexit__(self, *exc: object) -> None:
+        self._admission._leave()

@@ -13,12 +13,12 @@ instances that keep failing out of rotation.
 from __future__ import annotations
 
 import asyncio
-import contextlib
 import logging
 import random
 import time
-from collections.abc import Callable, Iterator
+from collections.abc import Callable
 from dataclasses import dataclass
+from types import TracebackType
 from typing import Any
 
 from pdproxy.config import Settings
@@ -432,29 +432,10 @@ class Dispatcher:
         exchange.notes.decode_first_byte_seconds = time.perf_counter() - started
         self._metrics.decode_first_byte.observe(exchange.notes.decode_first_byte_seconds)
 
-    @contextlib.contextmanager
-    def _leg(self, role: str, instance: Instance, what: str, limit: float) -> Iterator[Wait]:
+    def _leg(self, role: str, instance: Instance, what: str, limit: float) -> _LegWatch:
         """Count the leg in flight and turn its failures into 502s naming role and instance;
         `Wait` says what a timeout was waiting for."""
-        wait = Wait(what, limit, self._rotation.now())
-        self._metrics.leg_started(role, instance.name)
-        try:
-            yield wait
-        except TimeoutError:
-            raise self._leg_failed(
-                role,
-                instance,
-                "timeout",
-                f"no {wait.what} within {wait.limit:g}s",
-                wait.began,
-                wait.answered,
-            ) from None
-        except UpstreamError as exc:
-            raise self._leg_failed(
-                role, instance, exc.kind, exc.detail, wait.began, wait.answered
-            ) from None
-        finally:
-            self._metrics.leg_finished(role, instance.name)
+        return _LegWatch(self, role, instance, Wait(what, limit, self._rotation.now()))
 
     def _answered_well(self, role: str, instance: Instance, began: float) -> None:
         self._rotation.succeeded(role, instance, began)
@@ -483,6 +464,46 @@ class Dispatcher:
         )
         retryable = is_retryable(kind) and not answered
         return LegFailed(error, role, instance.name, kind, retryable)
+
+
+class _LegWatch:
+    """Dispatcher._leg's context manager. (A class, not a generator: two per request.)"""
+
+    __slots__ = ("_dispatcher", "_instance", "_role", "_wait")
+
+    def __init__(self, dispatcher: Dispatcher, role: str, instance: Instance, wait: Wait) -> None:
+        self._dispatcher = dispatcher
+        self._role = role
+        self._instance = instance
+        self._wait = wait
+
+    def __enter__(self) -> Wait:
+        self._dispatcher._metrics.leg_started(self._role, self._instance.name)
+        return self._wait
+
+    def __exit__(
+        self,
+        exc_type: type[BaseException] | None,
+        exc: BaseException | None,
+        traceback: TracebackType | None,
+    ) -> None:
+        dispatcher, role, instance, wait = self._dispatcher, self._role, self._instance, self._wait
+        dispatcher._metrics.leg_finished(role, instance.name)
+        if exc_type is None:
+            return
+        if issubclass(exc_type, TimeoutError):
+            raise dispatcher._leg_failed(
+                role,
+                instance,
+                "timeout",
+                f"no {wait.what} within {wait.limit:g}s",
+                wait.began,
+                wait.answered,
+            ) from None
+        if isinstance(exc, UpstreamError):
+            raise dispatcher._leg_failed(
+                role, instance, exc.kind, exc.detail, wait.began, wait.answered
+            ) from None
 
 
 def _status_kind(status: int) -> str:

@@ -9,7 +9,7 @@ from __future__ import annotations
 
 import contextlib
 import importlib
-from collections.abc import Callable, Iterator
+from collections.abc import Callable
 from typing import Literal, Protocol
 
 from pdproxy.proxy.trace_context import TraceContext
@@ -33,15 +33,35 @@ class Tracing(Protocol):
     def shutdown(self) -> None: ...
 
 
-class _W3cRequest:
+class _Headers(contextlib.AbstractContextManager[dict[str, str]]):
+    """A leg's trace headers, and nothing to do when the leg ends. (Classes rather than
+    generator context managers here: these run for every request.)"""
+
+    __slots__ = ("_headers",)
+
+    def __init__(self, headers: dict[str, str]) -> None:
+        self._headers = headers
+
+    def __enter__(self) -> dict[str, str]:
+        return self._headers
+
+    def __exit__(self, *exc: object) -> None:
+        return None
+
+
+class _W3cRequest(contextlib.AbstractContextManager["_W3cRequest"]):
+    __slots__ = ("_context", "_new_span_id", "trace_id")
+
     def __init__(self, context: TraceContext, new_span_id: Callable[[], str]) -> None:
         self.trace_id = context.trace_id
         self._context = context
         self._new_span_id = new_span_id
 
-    @contextlib.contextmanager
-    def leg(self, role: str, instance: str) -> Iterator[dict[str, str]]:
-        yield self._context.child(self._new_span_id())
+    def __exit__(self, *exc: object) -> None:
+        return None
+
+    def leg(self, role: str, instance: str) -> _Headers:
+        return _Headers(self._context.child(self._new_span_id()))
 
 
 class W3cTracing:
@@ -50,9 +70,8 @@ class W3cTracing:
     def __init__(self, new_span_id: Callable[[], str]) -> None:
         self._new_span_id = new_span_id
 
-    @contextlib.contextmanager
-    def request(self, context: TraceContext, endpoint: str) -> Iterator[RequestTrace]:
-        yield _W3cRequest(context, self._new_span_id)
+    def request(self, context: TraceContext, endpoint: str) -> _W3cRequest:
+        return _W3cRequest(context, self._new_span_id)
 
     def shutdown(self) -> None:
         pass
