@@ -17,7 +17,7 @@ import asyncio
 import contextlib
 import errno
 from collections import deque
-from collections.abc import AsyncIterator, Mapping
+from collections.abc import Mapping
 from typing import cast
 
 import httptools
@@ -310,37 +310,22 @@ class Upstream:
         async with self.stream("GET", address, path, None, headers) as stream:
             return Reply(stream.status, stream.content_type, await stream.read_all(limit))
 
-    @contextlib.asynccontextmanager
-    async def stream(
+    def stream(
         self,
         method: str,
         address: Address,
         path: str,
         body: bytes | None,
         headers: Mapping[str, str],
-    ) -> AsyncIterator[Stream]:
-        """Send a request; yield once its status and headers arrived.
+    ) -> _Exchange:
+        """`async with upstream.stream(...) as stream:` sends a request and enters once its
+        status and headers arrived.
 
         Leaving the block before the answer was read to its end (error, cancel, client gone)
         closes the connection instead of pooling it, so the instance sees the disconnect and
         aborts the request.
         """
-        head = _request_head(method, address, path, body, headers)
-        await self._take_slot()
-        try:
-            connection = await self._exchange(address, head, body)
-            try:
-                yield Stream(connection)
-            except BaseException:
-                connection.close()
-                raise
-            if connection.reusable:
-                connection.recycle(self._loop.time())
-                self._pools.setdefault(address, _Pool()).idle.append(connection)
-            else:
-                connection.close()
-        finally:
-            self._slots.release()
+        return _Exchange(self, address, _request_head(method, address, path, body, headers), body)
 
     async def _take_slot(self) -> None:
         # Waiting for a free slot is the proxy's own congestion, not the instance's: it gets
@@ -422,6 +407,41 @@ class Upstream:
                 pool.prune(now)
                 if not pool.idle:
                     del self._pools[address]
+
+
+class _Exchange:
+    """Upstream.stream's context manager. (A class, not an async generator: two per request.)"""
+
+    __slots__ = ("_address", "_body", "_connection", "_head", "_upstream")
+
+    def __init__(self, upstream: Upstream, address: Address, head: bytes, body: bytes | None):
+        self._upstream = upstream
+        self._address = address
+        self._head = head
+        self._body = body
+        self._connection: _Connection | None = None
+
+    async def __aenter__(self) -> Stream:
+        upstream = self._upstream
+        await upstream._take_slot()
+        try:
+            self._connection = await upstream._exchange(self._address, self._head, self._body)
+        except BaseException:
+            upstream._slots.release()
+            raise
+        return Stream(self._connection)
+
+    async def __aexit__(self, exc_type: type[BaseException] | None, *rest: object) -> None:
+        upstream, connection = self._upstream, self._connection
+        assert connection is not None
+        try:
+            if exc_type is not None or not connection.reusable:
+                connection.close()
+            else:
+                connection.recycle(upstream._loop.time())
+                upstream._pools.setdefault(self._address, _Pool()).idle.append(connection)
+        finally:
+            upstream._slots.release()
 
 
 def _request_head(
