@@ -33,23 +33,10 @@ class Tracing(Protocol):
     def shutdown(self) -> None: ...
 
 
-class _Headers(contextlib.AbstractContextManager[dict[str, str]]):
-    """A leg's trace headers, and nothing to do when the leg ends. (Classes rather than
-    generator context managers here: these run for every request.)"""
-
-    __slots__ = ("_headers",)
-
-    def __init__(self, headers: dict[str, str]) -> None:
-        self._headers = headers
-
-    def __enter__(self) -> dict[str, str]:
-        return self._headers
-
-    def __exit__(self, *exc: object) -> None:
-        return None
-
-
 class _W3cRequest(contextlib.AbstractContextManager["_W3cRequest"]):
+    """One request's trace context; a class, as are its legs' (nullcontext), rather than
+    generator context managers: these run for every request."""
+
     __slots__ = ("_context", "_new_span_id", "trace_id")
 
     def __init__(self, context: TraceContext, new_span_id: Callable[[], str]) -> None:
@@ -60,8 +47,8 @@ class _W3cRequest(contextlib.AbstractContextManager["_W3cRequest"]):
     def __exit__(self, *exc: object) -> None:
         return None
 
-    def leg(self, role: str, instance: str) -> _Headers:
-        return _Headers(self._context.child(self._new_span_id()))
+    def leg(self, role: str, instance: str) -> contextlib.nullcontext[dict[str, str]]:
+        return contextlib.nullcontext(self._context.child(self._new_span_id()))
 
 
 class W3cTracing:
