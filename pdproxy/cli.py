@@ -13,40 +13,26 @@ from pdproxy.proxy.tracing import TracingUnavailable, check_available
 
 
 def serve(settings: Settings) -> int:
-    import uvicorn
-
     from pdproxy.proxy.app import create_app
-    from pdproxy.proxy.credentials import CredentialsError
-    from pdproxy.proxy.draining import FINAL_GRACE_SECONDS, DrainingServer
+    from pdproxy.proxy.credentials import Credentials, CredentialsError
+    from pdproxy.proxy.draining import run_server
 
     configure_logging(settings.log_level, settings.log_format)
+    raise_descriptor_limit()
     try:
+        if settings.workers > 1:
+            from pdproxy.multiprocess.supervisor import serve_workers
+
+            Credentials.from_settings(settings)  # a missing key file fails here, not per worker
+            return serve_workers(settings)
         app = create_app(settings)
     except CredentialsError as exc:
         print(f"pdproxy serve: {exc}", file=sys.stderr)
         return 2
-    config = uvicorn.Config(
-        app,
-        host=settings.host,
-        port=settings.port,
-        loop=_event_loop(),
-        http="httptools",
-        lifespan="on",
-        access_log=False,
-        log_level=settings.log_level,
-        log_config=None,  # configure_logging did it
-        server_header=False,
-        proxy_headers=False,
-        timeout_graceful_shutdown=FINAL_GRACE_SECONDS,
-        backlog=settings.backlog,
-    )
-    _raise_descriptor_limit()
-    server = DrainingServer(config, app, settings.drain_seconds)
-    server.run()
-    return 0 if server.started else 1
+    return 0 if run_server(app, settings) else 1
 
 
-def _raise_descriptor_limit() -> None:
+def raise_descriptor_limit() -> None:
     """Each held stream needs two descriptors (client and decode leg): take all the process
     may have, and say what that allows."""
     import logging
@@ -61,14 +47,6 @@ def _raise_descriptor_limit() -> None:
         soft,
         "unlimited" if soft == resource.RLIM_INFINITY else max(0, (soft - 256) // 2),
     )
-
-
-def _event_loop() -> str:
-    try:
-        import uvloop  # noqa: F401
-    except ImportError:
-        return "asyncio"
-    return "uvloop"
 
 
 def _run_serve(args: argparse.Namespace) -> int:

@@ -176,6 +176,14 @@ class Settings(BaseModel):
         description="Cap on upstream exchanges in flight, all instances together; a held "
         "stream keeps one for its whole life, so this also caps concurrent streams.",
     )
+    workers: int = Field(
+        1,
+        ge=1,
+        le=64,
+        description="HTTP worker processes sharing the port (SO_REUSEPORT). Above 1, a "
+        "registry process owns the table and publishes it to the workers; metrics are summed "
+        "over all of them.",
+    )
     backlog: int = Field(
         2048,
         ge=1,

@@ -24,13 +24,15 @@ FIELDS = "fields"  # the `extra` key whose dict a JSON line carries as top-level
 
 
 class JsonFormatter(logging.Formatter):
-    """`{"ts", "level", "logger", "message", ...fields}`; never raises on odd field values."""
+    """`{"ts", "level", "logger", "pid", "message", ...fields}`; never raises on odd field
+    values. The pid tells apart the processes of a multi-worker proxy."""
 
     def format(self, record: logging.LogRecord) -> str:
         line: dict[str, Any] = {
             "ts": _iso(record.created),
             "level": record.levelname.lower(),
             "logger": record.name,
+            "pid": record.process,
             "message": record.getMessage(),
         }
         fields = getattr(record, FIELDS, None)

@@ -3,18 +3,27 @@
 Names are `pdproxy_*` in base units (seconds, bytes). Label values come from bounded sets
 (endpoint, status class, role, reason enums) or from registered instances, whose labels are
 removed when the instance leaves, so label cardinality is bounded by the registry cap.
+
+With several HTTP workers (`--workers`), every process writes its values to files in one
+directory (prometheus_client's multiprocess mode) and /metrics, whichever worker answers, sums
+them: counters and histograms over every process that ever ran (a restarted worker's counts are
+not lost), gauges over the live ones. That mode cannot remove a label set, so there an
+instance's gauges drop to 0 when it leaves instead of disappearing.
 """
 
 from __future__ import annotations
 
 import contextlib
+import os
 from collections.abc import Callable, Iterable, Mapping
 
 from prometheus_client import CollectorRegistry, Counter, Gauge, Histogram
 from prometheus_client.core import GaugeMetricFamily, Metric
 from prometheus_client.exposition import CONTENT_TYPE_LATEST, generate_latest
+from prometheus_client.multiprocess import MultiProcessCollector
 from prometheus_client.registry import Collector
 
+from pdproxy.multiprocess.paths import METRICS_DIR_VARIABLE
 from pdproxy.pairing.planner import Unpaired
 from pdproxy.registry.kv_stats import COUNTED_OUTCOMES, TransferRecord
 from pdproxy.registry.messages import Reason, Role, TransferOutcome
@@ -74,8 +83,17 @@ REFUSALS = ("queue_full", "queue_timeout", "draining", "unauthorized")
 
 
 class Metrics:
-    def __init__(self, registry: CollectorRegistry | None = None) -> None:
+    def __init__(self, registry: CollectorRegistry | None = None, shared: bool = False) -> None:
         self.registry = registry or CollectorRegistry(auto_describe=True)
+        self.shared = shared
+        # What /metrics shows: this registry, or with several workers the sum of all processes.
+        self.exposed = self.registry
+        if shared:
+            directory = os.environ.get(METRICS_DIR_VARIABLE)
+            if not directory:
+                raise RuntimeError(f"shared metrics need {METRICS_DIR_VARIABLE} set before start")
+            self.exposed = CollectorRegistry()
+            MultiProcessCollector(self.exposed, directory)  # type: ignore[no-untyped-call]
         r = self.registry
         self.requests = Counter(
             "pdproxy_requests",
@@ -107,12 +125,14 @@ class Metrics:
             "Legs in flight, by role and instance (http address).",
             ["role", "instance"],
             registry=r,
+            multiprocess_mode="livesum",
         )
         self.registry_instances = Gauge(
             "pdproxy_registry_instances",
             "Registered instances by role.",
             ["role"],
             registry=r,
+            multiprocess_mode="livemax",  # only the registry's process sets it
         )
         self.registry_messages = Counter(
             "pdproxy_registry_messages",
@@ -156,11 +176,13 @@ class Metrics:
             "pdproxy_admitted_requests",
             "Completion requests admitted and not finished (capped by max_inflight_requests).",
             registry=r,
+            multiprocess_mode="livesum",
         )
         self.queued = Gauge(
             "pdproxy_queued_requests",
             "Requests waiting for a slot or for an instance below its cap.",
             registry=r,
+            multiprocess_mode="livesum",
         )
         self.refused = Counter(
             "pdproxy_refused_requests",
@@ -202,6 +224,7 @@ class Metrics:
             "decode instance: its bytes over its duration.",
             ["prefill", "decode"],
             registry=r,
+            multiprocess_mode="livemostrecent",
         )
         for outcome in COUNTED_OUTCOMES:
             self.kv_transfers.labels(outcome)
@@ -273,23 +296,29 @@ class Metrics:
             self._departed.add(instance)
         for pair in [p for p in self._kv_pairs if instance in p]:
             self._kv_pairs.discard(pair)
+            if self.shared:
+                self.kv_transfer_bandwidth.labels(*pair).set(0)
+                continue
             for family in (self.kv_transfer_bytes, self.kv_transfer_bandwidth):
                 with contextlib.suppress(KeyError):
                     family.remove(*pair)
 
     def _remove_inflight(self, role: str, instance: str) -> None:
-        with contextlib.suppress(KeyError):
-            self.inflight.remove(role, instance)
+        if self.shared:
+            self.inflight.labels(role, instance).set(0)
+        else:
+            with contextlib.suppress(KeyError):
+                self.inflight.remove(role, instance)
         if all((r, instance) not in self._legs for r in LEG_ROLES):
             self._departed.discard(instance)
 
     def watch_circuits(self, circuits: Callable[[], Mapping[str, Circuit]]) -> None:
         """Export each instance's circuit (0 closed, 1 half-open, 2 open), read at scrape
         time from the outlier detector, so it never outlives the instance."""
-        self.registry.register(_CircuitCollector(circuits))
+        self.exposed.register(_CircuitCollector(circuits))
 
     def render(self) -> bytes:
-        return generate_latest(self.registry)
+        return generate_latest(self.exposed)
 
 
 class _CircuitCollector(Collector):
@@ -310,6 +339,7 @@ class _CircuitCollector(Collector):
         return GaugeMetricFamily(
             "pdproxy_instance_circuit",
             "Outlier state of instances that failed lately: 0 closed, 1 half-open (on "
-            "probation), 2 open (ejected). Instances never seen failing are not listed.",
+            "probation), 2 open (ejected). Instances never seen failing are not listed. With "
+            "several workers, the state seen by the worker that answered the scrape.",
             labels=["instance"],
         )

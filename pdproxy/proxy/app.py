@@ -18,6 +18,7 @@ from fastapi import FastAPI
 
 from pdproxy.config import Settings
 from pdproxy.metrics import Metrics
+from pdproxy.multiprocess.paths import SharedPaths
 from pdproxy.pairing.planner import Planner
 from pdproxy.pairing.policies import make_policy
 from pdproxy.proxy.admission import Admission
@@ -26,15 +27,17 @@ from pdproxy.proxy.credentials import Credentials
 from pdproxy.proxy.dispatch import Dispatcher
 from pdproxy.proxy.errors import error_body
 from pdproxy.proxy.exchange import Scope
+from pdproxy.proxy.fleet_control import FleetControl
 from pdproxy.proxy.prober import HealthProber
 from pdproxy.proxy.random_ids import RandomHex
+from pdproxy.proxy.registry_link import LocalRegistry, RegistryCopy, RegistryLink
 from pdproxy.proxy.rotation import Rotation
 from pdproxy.proxy.routes import install_routes
 from pdproxy.proxy.tracing import Tracing, build_tracing
 from pdproxy.proxy.upstream import Upstream
-from pdproxy.registry.messages import Role
+from pdproxy.registry.seeded import seeded_table
 from pdproxy.registry.server import RegistryServer
-from pdproxy.registry.table import Instance, RegistryTable, Source
+from pdproxy.registry.table import RegistryTable
 from pdproxy.reliability.outlier import OutlierDetector, OutlierPolicy
 
 log = logging.getLogger("pdproxy")
@@ -58,7 +61,7 @@ class AppState:
     settings: Settings
     metrics: Metrics
     table: RegistryTable
-    registry: RegistryServer
+    control: FleetControl
     upstream: Upstream
     planner: Planner
     rotation: Rotation
@@ -68,15 +71,7 @@ class AppState:
     admission: Admission
     prober: HealthProber
     clock: Callable[[], float]
-
-
-def static_instances(settings: Settings) -> list[Instance]:
-    configured = [(Role.PREFILL, spec) for spec in settings.prefill]
-    configured += [(Role.DECODE, spec) for spec in settings.decode]
-    return [
-        Instance(role, spec.http_address, spec.zmq_address, Source.STATIC, model=spec.model)
-        for role, spec in configured
-    ]
+    registry_link: RegistryLink
 
 
 def planner_from(settings: Settings) -> Planner:
@@ -98,18 +93,20 @@ def outlier_policy(settings: Settings) -> OutlierPolicy:
     )
 
 
-async def build_state(settings: Settings, clock: Callable[[], float]) -> AppState:
+async def build_state(
+    settings: Settings, clock: Callable[[], float], shared: SharedPaths | None = None
+) -> AppState:
     # First: it is the one part that may fail to build, and nothing is bound yet.
     random_hex = RandomHex()  # built here, after any fork: processes must not share its bytes
     tracing = build_tracing(settings.otel_exporter, lambda: random_hex.hex(8))
-    metrics = Metrics()
-    table = RegistryTable(settings.ttl, settings.max_instances)
-    for instance in static_instances(settings):
-        table.add_static(instance, clock())
-        metrics.instance_joined(instance.name)
-    registry = RegistryServer(settings, table, metrics, clock)
-    registry.publish_counts()
-    registry.start()
+    metrics = Metrics(shared=shared is not None)
+    if shared is None:
+        table = seeded_table(settings, metrics, clock)
+        registry = RegistryServer(settings, table, metrics, clock)
+        registry.publish_counts()
+        registry.start()
+    else:
+        table = RegistryTable(settings.ttl, settings.max_instances)  # the registry process's copy
     upstream = Upstream(settings)
     await upstream.start()
     planner = planner_from(settings)
@@ -123,6 +120,13 @@ async def build_state(settings: Settings, clock: Callable[[], float]) -> AppStat
         metrics,
     )
     rotation = Rotation(settings, table, planner, outliers, admission, metrics, clock)
+    link: RegistryLink
+    if shared is None:
+        link = LocalRegistry(registry, table, rotation)
+    else:
+        copy = RegistryCopy(shared, table, rotation, metrics)
+        await copy.first_copy()  # before the lifespan ends, so before the socket listens
+        link = copy
     dispatcher = Dispatcher(
         settings, rotation, upstream, metrics, tracing, new_uid=lambda: random_hex.hex(16)
     )
@@ -140,7 +144,7 @@ async def build_state(settings: Settings, clock: Callable[[], float]) -> AppStat
         settings,
         metrics,
         table,
-        registry,
+        link.control,
         upstream,
         planner,
         rotation,
@@ -150,13 +154,20 @@ async def build_state(settings: Settings, clock: Callable[[], float]) -> AppStat
         admission,
         prober,
         clock,
+        link,
     )
 
 
 class PdproxyApp:
-    def __init__(self, settings: Settings, clock: Callable[[], float] = time.monotonic) -> None:
+    def __init__(
+        self,
+        settings: Settings,
+        clock: Callable[[], float] = time.monotonic,
+        shared: SharedPaths | None = None,
+    ) -> None:
         self.settings = settings
         self._clock = clock
+        self._shared = shared  # set in an HTTP worker of a multi-worker proxy
         self._state: AppState | None = None
         self._hot: dict[str, CompletionsEndpoint] = {}
         # Read before anything binds: a missing key file fails the start, not a request.
@@ -172,7 +183,7 @@ class PdproxyApp:
 
     @contextlib.asynccontextmanager
     async def _lifespan(self, _api: FastAPI) -> AsyncIterator[None]:
-        state = await build_state(self.settings, self._clock)
+        state = await build_state(self.settings, self._clock, self._shared)
         self._state = state
         self._hot = {
             path: CompletionsEndpoint(
@@ -200,7 +211,7 @@ class PdproxyApp:
         finally:
             self._hot = {}
             await state.prober.stop()
-            await state.registry.stop()
+            await state.registry_link.stop()
             await state.upstream.close()
             state.tracing.shutdown()
             self._state = None
@@ -289,5 +300,5 @@ def _is_admin(scope: Scope) -> bool:
     )
 
 
-def create_app(settings: Settings) -> PdproxyApp:
-    return PdproxyApp(settings)
+def create_app(settings: Settings, shared: SharedPaths | None = None) -> PdproxyApp:
+    return PdproxyApp(settings, shared=shared)

@@ -6,17 +6,25 @@ SIGINT) only starts draining: /ready answers 503, new requests get 503 with
 `Connection: close`, and the requests in flight get `drain_seconds` to finish. Then uvicorn's
 normal shutdown runs and the process exits 0. A second signal starts that shutdown at once
 (what is still running gets FINAL_GRACE_SECONDS, then ends with an error event).
+
+An HTTP worker of a multi-worker proxy (`worker=True`) drains on SIGTERM from its supervisor
+and takes no other signal: a terminal's Ctrl-C reaches every process of the group, and only
+the supervisor decides the order of the shutdown (see multiprocess/supervisor.py).
 """
 
 from __future__ import annotations
 
 import logging
 import signal
+import socket
 import time
+from collections.abc import Callable
 from types import FrameType
-from typing import Protocol
+from typing import Any, Protocol
 
 import uvicorn
+
+from pdproxy.config import Settings
 
 log = logging.getLogger("pdproxy")
 
@@ -33,13 +41,24 @@ class Drainable(Protocol):
 
 
 class DrainingServer(uvicorn.Server):
-    def __init__(self, config: uvicorn.Config, app: Drainable, drain_seconds: float) -> None:
+    def __init__(
+        self,
+        config: uvicorn.Config,
+        app: Drainable,
+        drain_seconds: float,
+        worker: bool = False,
+        on_started: Callable[[], None] | None = None,
+    ) -> None:
         super().__init__(config)
         self._app = app
         self._drain_seconds = drain_seconds
         self._drain_until: float | None = None
+        self._worker = worker
+        self._on_started = on_started
 
     def handle_exit(self, sig: int, frame: FrameType | None) -> None:
+        if self._worker and (sig != signal.SIGTERM or self._drain_until is not None):
+            return
         # Not recorded in uvicorn's captured signals: re-raising SIGTERM after the shutdown
         # would turn a clean drain into death by signal (exit status 143, not 0).
         if self._drain_until is not None or not self.started:
@@ -52,6 +71,9 @@ class DrainingServer(uvicorn.Server):
         self._drain_until = time.monotonic() + self._drain_seconds
 
     async def on_tick(self, counter: int) -> bool:
+        if self._on_started is not None and self.started:
+            self._on_started()
+            self._on_started = None
         if await super().on_tick(counter):
             return True
         if self._drain_until is None:
@@ -64,3 +86,39 @@ class DrainingServer(uvicorn.Server):
             log.warning("drain period of %gs over; shutting down anyway", self._drain_seconds)
             self.should_exit = True
         return self.should_exit
+
+
+def run_server(
+    app: Any,
+    settings: Settings,
+    sockets: list[socket.socket] | None = None,
+    worker: bool = False,
+    on_started: Callable[[], None] | None = None,
+) -> bool:
+    """Serve `app` until a signal ends the drain; False if it never started serving."""
+    config = uvicorn.Config(
+        app,
+        host=settings.host,
+        port=settings.port,
+        loop=_event_loop(),
+        http="httptools",
+        lifespan="on",
+        access_log=False,
+        log_level=settings.log_level,
+        log_config=None,  # configure_logging did it
+        server_header=False,
+        proxy_headers=False,
+        timeout_graceful_shutdown=FINAL_GRACE_SECONDS,
+        backlog=settings.backlog,
+    )
+    server = DrainingServer(config, app, settings.drain_seconds, worker, on_started)
+    server.run(sockets=sockets)
+    return server.started
+
+
+def _event_loop() -> str:
+    try:
+        import uvloop  # noqa: F401
+    except ImportError:
+        return "asyncio"
+    return "uvloop"

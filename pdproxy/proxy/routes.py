@@ -19,10 +19,12 @@ from pdproxy.metrics import CONTENT_TYPE
 from pdproxy.pairing.listing import pairs_report
 from pdproxy.pairing.planner import readiness
 from pdproxy.proxy.errors import error_body
+from pdproxy.proxy.fleet_control import ControlUnavailable
 from pdproxy.proxy.openapi import openapi_document
 from pdproxy.proxy.upstream import UpstreamError
 from pdproxy.registry.auth import address_allowed, parse_cidrs
-from pdproxy.registry.messages import Rejected, Role
+from pdproxy.registry.messages import Role
+from pdproxy.registry.shared_state import ControlReply, ControlRequest, Operation
 from pdproxy.registry.table import Entry, Instance, Source
 
 if TYPE_CHECKING:
@@ -105,10 +107,9 @@ def install_routes(api: FastAPI, app: PdproxyApp) -> None:
         instance = Instance(
             spec.role, spec.http_address, spec.zmq_address, Source.STATIC, model=spec.model
         )
-        try:
-            state.registry.add_static(instance)
-        except Rejected as exc:
-            return _error(409, f"not registered: {exc}")
+        reply = await _apply(state, ControlRequest(Operation.REGISTER, instance=instance))
+        if reply.refusal is not None:
+            return _error(409, f"not registered: {reply.refusal}")
         return _json({"registered": instance.name}, 201)
 
     @api.delete("/v1/instances/{name}")
@@ -116,32 +117,27 @@ def install_routes(api: FastAPI, app: PdproxyApp) -> None:
         state = app.state
         _require_admin(app, request)
         address = _address(name)
-        if not state.registry.remove(address):
+        if not (await _apply(state, ControlRequest(Operation.REMOVE, address=address))).done:
             return _error(404, f"no instance {name} is registered")
-        state.rotation.drained -= {str(address)}
         return _json({"removed": str(address)})
 
     @api.post("/v1/instances/{name}/drain")
     async def drain(name: str, request: Request) -> Response:
         state = app.state
         _require_admin(app, request)
-        name = str(_address(name))
-        if not any(e.instance.name == name for e in state.table.entries()):
-            return _error(404, f"no instance {name} is registered")
-        state.rotation.drained |= {name}
-        log.info("instance %s drained by an admin: no new requests go to it", name)
-        return _json({"drained": name})
+        address = _address(name)
+        if not (await _apply(state, ControlRequest(Operation.DRAIN, address=address))).done:
+            return _error(404, f"no instance {address} is registered")
+        return _json({"drained": str(address)})
 
     @api.delete("/v1/instances/{name}/drain")
     async def undrain(name: str, request: Request) -> Response:
         state = app.state
         _require_admin(app, request)
-        name = str(_address(name))
-        if name not in state.rotation.drained:
-            return _error(404, f"instance {name} is not drained")
-        state.rotation.drained -= {name}
-        log.info("instance %s back in rotation (admin)", name)
-        return _json({"undrained": name})
+        address = _address(name)
+        if not (await _apply(state, ControlRequest(Operation.UNDRAIN, address=address))).done:
+            return _error(404, f"instance {address} is not drained")
+        return _json({"undrained": str(address)})
 
     @api.get("/v1/models")
     async def models(request: Request) -> Response:
@@ -181,6 +177,13 @@ def install_routes(api: FastAPI, app: PdproxyApp) -> None:
     async def unexpected(_request: Request, exc: Exception) -> Response:
         log.error("unexpected error: %r", exc, exc_info=exc)
         return _error(500, "internal error in pdproxy")
+
+
+async def _apply(state: AppState, request: ControlRequest) -> ControlReply:
+    try:
+        return await state.control.apply(request)
+    except ControlUnavailable as exc:
+        raise StarletteHTTPException(503, f"not applied: {exc}") from None
 
 
 def _model_card(name: str) -> dict[str, Any]:

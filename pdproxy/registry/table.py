@@ -7,6 +7,7 @@ membership or announced content changes.
 
 from __future__ import annotations
 
+from collections.abc import Iterable
 from dataclasses import dataclass, replace
 from enum import StrEnum
 
@@ -112,6 +113,7 @@ class RegistryTable:
         self._by_zmq: dict[Address, set[Address]] = {}
         self._counts = dict.fromkeys(Role, 0)
         self._version = 0
+        self._revision = 0
         self._snapshot: Snapshot | None = Snapshot(0, (), ())
         self._built_at: float | None = None
         self._load_stale = False
@@ -122,6 +124,28 @@ class RegistryTable:
 
     def __len__(self) -> int:
         return len(self._entries)
+
+    @property
+    def revision(self) -> int:
+        """Moves on every change of content, load included (not on mere heartbeats): what a
+        copy of this table elsewhere must follow."""
+        return self._revision
+
+    def adopt(self, entries: Iterable[Entry]) -> bool:
+        """Become a copy of another table (its `entries()`): an HTTP worker's view of the
+        registry process's table. True when the instances changed, not only their times."""
+        fresh = {entry.instance.http_address: entry for entry in entries}
+        changed = fresh.keys() != self._entries.keys() or any(
+            entry.instance != self._entries[key].instance for key, entry in fresh.items()
+        )
+        self._entries, self._by_zmq = {}, {}
+        self._counts = dict.fromkeys(Role, 0)
+        self._static = {k for k, e in fresh.items() if e.instance.source is Source.STATIC}
+        for entry in fresh.values():
+            self._put(entry)
+        if changed:
+            self._changed()
+        return changed
 
     def count(self, role: Role) -> int:
         return self._counts[role]
@@ -264,12 +288,14 @@ class RegistryTable:
             self._counts[old.instance.role] -= 1
             self._unindex(old)
         self._entries[key] = entry
+        self._revision += 1
         self._counts[entry.instance.role] += 1
         self._by_zmq.setdefault(entry.instance.zmq_address, set()).add(key)
 
     def _pop(self, key: Address) -> Entry | None:
         entry = self._entries.pop(key, None)
         if entry is not None:
+            self._revision += 1
             self._counts[entry.instance.role] -= 1
             self._unindex(entry)
         return entry

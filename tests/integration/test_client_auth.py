@@ -25,8 +25,13 @@ KEY, OTHER_KEY, FILE_KEY = "sk-client-key-1", "sk-client-key-2", "sk-from-the-fi
 ADMIN = "admin-token-for-tests"
 
 
-@pytest.fixture(scope="module")
-def fleet(tmp_path_factory: pytest.TempPathFactory) -> Iterator[LocalFleet]:
+@pytest.fixture(scope="module", params=[1, 2], ids=["one-process", "two-workers"])
+def fleet(
+    tmp_path_factory: pytest.TempPathFactory, request: pytest.FixtureRequest
+) -> Iterator[LocalFleet]:
+    """The same checks with the admin API's changes made in one process, and made in the
+    registry process of two HTTP workers (each request of a test a new connection: any
+    worker may answer it)."""
     directory = tmp_path_factory.mktemp("auth")
     keys = directory / "keys"
     keys.write_text(f"# client keys\n{FILE_KEY}\n\n", encoding="utf-8")
@@ -46,6 +51,8 @@ def fleet(tmp_path_factory: pytest.TempPathFactory) -> Iterator[LocalFleet]:
             str(admin),
             "--upstream-api-key",
             "sk-for-the-instances",
+            "--workers",
+            str(request.param),
         ],
         api_key=KEY,
     )

@@ -85,6 +85,7 @@ SAMPLES: dict[str, tuple[str, Any]] = {
     "body_timeout": ("9", 9.0),
     "retry_after_seconds": ("3", 3),
     "upstream_max_connections": ("16", 16),
+    "workers": ("4", 4),
     "backlog": ("512", 512),
     "log_level": ("debug", "debug"),
     "log_format": ("json", "json"),

@@ -589,3 +589,67 @@ def test_two_instances_announcing_one_zmq_address_are_both_found_by_role() -> No
     assert table.lookup(zmq(5), Role.DECODE) == table.get(http(2))
     table.remove(http(1))
     assert table.lookup(zmq(5), Role.DECODE) == table.get(http(2))
+
+
+# ---------------------------------------------------------------------------------------------
+# revision and copies (the HTTP workers' view of the registry process's table)
+
+
+def test_revision_moves_on_content_and_load_not_on_heartbeats() -> None:
+    t = table()
+    revisions = [t.revision]
+    t.announce(v1(1), 0.0)
+    revisions.append(t.revision)
+    t.announce(v1(1), 1.0)  # heartbeat
+    revisions.append(t.revision)
+    t.announce(v1(1, load=Load(running=3)), 2.0)
+    revisions.append(t.revision)
+    t.remove(http(1))
+    revisions.append(t.revision)
+    assert revisions[1] > revisions[0]
+    assert revisions[2] == revisions[1]
+    assert revisions[4] > revisions[3] > revisions[2]
+
+
+def test_a_copy_adopts_entries_counts_lookups_and_statics() -> None:
+    owner = table()
+    owner.add_static(static(1, Role.DECODE), 0.0)
+    owner.announce(v1(2), 1.0)
+    owner.announce(v1(3, Role.DECODE, zmq_address=zmq(9)), 2.0)
+    copy = table()
+    assert copy.adopt(owner.entries()) is True
+    assert copy.entries() == owner.entries()
+    mine, theirs = copy.snapshot(), owner.snapshot()
+    assert (mine.prefills, mine.decodes) == (theirs.prefills, theirs.decodes)
+    assert (copy.count(Role.PREFILL), copy.count(Role.DECODE)) == (1, 2)
+    assert copy.lookup(zmq(9), Role.DECODE) == owner.get(http(3))
+    # A static instance stays static in the copy: a `leave` cannot remove it.
+    assert copy.remove(http(1)) is None
+
+
+def test_adopting_only_newer_times_keeps_the_snapshot() -> None:
+    owner = table()
+    owner.announce(v1(1), 0.0)
+    copy = table()
+    copy.adopt(owner.entries())
+    snapshot = copy.snapshot()
+    owner.announce(v1(1), 5.0)  # heartbeat: last_seen moves
+    assert copy.adopt(owner.entries()) is False
+    assert copy.snapshot() is snapshot
+    assert entry(copy, http(1)).last_seen == 5.0
+
+
+def test_adopting_a_change_builds_a_new_snapshot() -> None:
+    owner = table()
+    owner.announce(v1(1), 0.0)
+    owner.announce(v1(2, Role.DECODE), 0.0)
+    copy = table()
+    copy.adopt(owner.entries())
+    before = copy.snapshot()
+    owner.announce(v1(1, load=Load(running=7)), 1.0)
+    owner.remove(http(2))
+    assert copy.adopt(owner.entries()) is True
+    after = copy.snapshot()
+    assert after.version > before.version
+    assert after.prefills[0].load == Load(running=7) and after.decodes == ()
+    assert copy.count(Role.DECODE) == 0 and copy.get(http(2)) is None

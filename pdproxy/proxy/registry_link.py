@@ -1,0 +1,64 @@
+"""How an HTTP process reaches the registry: it runs it itself (`LocalRegistry`, one process),
+or it keeps a copy of the registry process's table and sends the admin API's changes there
+(`RegistryCopy`, one of several HTTP workers)."""
+
+from __future__ import annotations
+
+import logging
+from typing import Protocol
+
+import zmq.asyncio
+
+from pdproxy.metrics import Metrics
+from pdproxy.multiprocess.paths import SharedPaths
+from pdproxy.proxy.fleet_control import FleetControl, LocalControl, RemoteControl
+from pdproxy.proxy.rotation import Rotation
+from pdproxy.proxy.table_mirror import TableMirror
+from pdproxy.registry.operator import FleetOperator
+from pdproxy.registry.server import RegistryServer
+from pdproxy.registry.table import RegistryTable
+
+log = logging.getLogger("pdproxy")
+
+
+class RegistryLink(Protocol):
+    @property
+    def control(self) -> FleetControl: ...
+
+    async def stop(self) -> None: ...
+
+
+class LocalRegistry:
+    def __init__(self, registry: RegistryServer, table: RegistryTable, rotation: Rotation) -> None:
+        self._registry = registry
+        self.control = LocalControl(FleetOperator(registry, table), rotation)
+
+    async def stop(self) -> None:
+        await self._registry.stop()
+
+
+# A worker starts listening only once it holds the registry's table (republished every second),
+# or after this long: a registry process that holds back after its own restart must not keep
+# the worker from serving on the copy the others have.
+FIRST_COPY_TIMEOUT_SECONDS = 3.0
+
+
+class RegistryCopy:
+    def __init__(
+        self, shared: SharedPaths, table: RegistryTable, rotation: Rotation, metrics: Metrics
+    ) -> None:
+        self._context = zmq.asyncio.Context()
+        self._mirror = TableMirror(shared.state_endpoint, self._context, table, rotation, metrics)
+        self._mirror.start()
+        self.control = RemoteControl(shared.control_endpoint, self._context, self._mirror)
+
+    async def first_copy(self) -> None:
+        if not await self._mirror.caught_up(0, FIRST_COPY_TIMEOUT_SECONDS):
+            log.warning(
+                "no table from the registry process within %gs: serving without one",
+                FIRST_COPY_TIMEOUT_SECONDS,
+            )
+
+    async def stop(self) -> None:
+        await self._mirror.stop()
+        self._context.term()

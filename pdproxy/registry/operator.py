@@ -1,0 +1,50 @@
+"""The operator's actions (the admin API) applied where the table and the drained set live: in
+the one process of a single-process proxy, in the registry process under `--workers`."""
+
+from __future__ import annotations
+
+import logging
+
+from pdproxy.registry.messages import Rejected
+from pdproxy.registry.server import RegistryServer
+from pdproxy.registry.shared_state import ControlRequest, Operation
+from pdproxy.registry.table import RegistryTable
+
+log = logging.getLogger("pdproxy.registry")
+
+
+class FleetOperator:
+    def __init__(self, registry: RegistryServer, table: RegistryTable) -> None:
+        self._registry = registry
+        self._table = table
+        # Instances an operator drained: no new legs; those in flight finish.
+        self.drained: frozenset[str] = frozenset()
+
+    def apply(self, request: ControlRequest) -> tuple[bool, str | None]:
+        """(done, refusal): done is False when there was nothing to remove, drain or
+        undrain; a refusal says why a registration was not taken."""
+        if request.operation is Operation.REGISTER:
+            assert request.instance is not None
+            try:
+                self._registry.add_static(request.instance)
+            except Rejected as exc:
+                return False, str(exc)
+            return True, None
+        assert request.address is not None
+        name = str(request.address)
+        if request.operation is Operation.REMOVE:
+            if not self._registry.remove(request.address):
+                return False, None
+            self.drained -= {name}
+            return True, None
+        if request.operation is Operation.DRAIN:
+            if self._table.get(request.address) is None:
+                return False, None
+            self.drained |= {name}
+            log.info("instance %s drained by an admin: no new requests go to it", name)
+            return True, None
+        if name not in self.drained:
+            return False, None
+        self.drained -= {name}
+        log.info("instance %s back in rotation (admin)", name)
+        return True, None

@@ -1,0 +1,28 @@
+"""The registry table as a proxy starts it: empty but for the instances configured statically
+(`--prefill`/`--decode`), each one known to the metrics."""
+
+from __future__ import annotations
+
+from collections.abc import Callable
+
+from pdproxy.config import Settings
+from pdproxy.metrics import Metrics
+from pdproxy.registry.messages import Role
+from pdproxy.registry.table import Instance, RegistryTable, Source
+
+
+def static_instances(settings: Settings) -> list[Instance]:
+    configured = [(Role.PREFILL, spec) for spec in settings.prefill]
+    configured += [(Role.DECODE, spec) for spec in settings.decode]
+    return [
+        Instance(role, spec.http_address, spec.zmq_address, Source.STATIC, model=spec.model)
+        for role, spec in configured
+    ]
+
+
+def seeded_table(settings: Settings, metrics: Metrics, clock: Callable[[], float]) -> RegistryTable:
+    table = RegistryTable(settings.ttl, settings.max_instances)
+    for instance in static_instances(settings):
+        table.add_static(instance, clock())
+        metrics.instance_joined(instance.name)
+    return table

@@ -1,0 +1,205 @@
+"""`pdproxy serve --workers N`: HTTP workers on one port (SO_REUSEPORT) sharing one registry
+process, with metrics summed over them; dead children are replaced; SIGTERM drains all."""
+
+from __future__ import annotations
+
+import json
+import os
+import signal
+import socket
+import subprocess
+from pathlib import Path
+from typing import Any
+
+import pytest
+
+from pdproxy.testing.fleet import LocalFleet, WorkerSpec
+from pdproxy.testing.processes import (
+    LOOPBACK,
+    ManagedProcess,
+    free_ports,
+    pdproxy_command,
+    wait_until,
+)
+from tests.conftest import FleetFactory
+from tests.integration.support import metric_value, post_json, read_until
+
+MODEL = "fake-model"
+GOOD = {"model": MODEL, "prompt": "hello workers", "max_tokens": 3}
+TWO_WORKERS = ["--workers", "2", "--log-format", "json"]
+
+
+def log_lines(fleet: LocalFleet) -> list[dict[str, Any]]:
+    text = (fleet.log_dir / "pdproxy.log").read_text()
+    return [json.loads(line) for line in text.splitlines() if line.startswith("{")]
+
+
+def served_by(fleet: LocalFleet, count: int) -> list[int]:
+    """The pids of the processes that wrote the first `count` access lines."""
+
+    def access() -> list[dict[str, Any]]:
+        return [line for line in log_lines(fleet) if line["logger"] == "pdproxy.access"]
+
+    wait_until(lambda: len(access()) >= count, 10, f"{count} access lines")
+    return [line["pid"] for line in access()[:count]]
+
+
+def child_pids(fleet: LocalFleet, message_start: str) -> list[int]:
+    """Pids of the children whose log lines begin so (in order of their lines)."""
+    pids = [line["pid"] for line in log_lines(fleet) if line["message"].startswith(message_start)]
+    return list(dict.fromkeys(pids))
+
+
+def completions(fleet: LocalFleet, count: int) -> list[int]:
+    """`count` requests, each on a connection of its own: any worker may take each one."""
+    return [post_json(fleet.proxy_url + "/v1/completions", GOOD).status for _ in range(count)]
+
+
+def completed(fleet: LocalFleet) -> float:
+    labels = {"endpoint": "/v1/completions", "status": "200"}
+    return metric_value(fleet.proxy_url, "pdproxy_requests_total", labels)
+
+
+def alive(pid: int) -> bool:
+    try:
+        os.kill(pid, 0)
+    except ProcessLookupError:
+        return False
+    return True
+
+
+def test_workers_share_the_port_the_registry_and_the_metrics(
+    fleet_factory: FleetFactory,
+) -> None:
+    fleet = fleet_factory([WorkerSpec("P"), WorkerSpec("D")], proxy_args=TWO_WORKERS)
+    assert completions(fleet, 60) == [200] * 60
+    # Sixty connections from sixty source ports: the kernel gave both workers some.
+    pids = served_by(fleet, 60)
+    assert len(set(pids)) == 2, pids
+    assert set(pids) == set(child_pids(fleet, "HTTP worker"))
+    assert fleet.proxy is not None and fleet.proxy.pid not in pids
+    # Whichever worker answers the scrape, it shows every worker's counts, and the registry
+    # process's own gauges.
+    for _ in range(6):
+        assert completed(fleet) == 60
+        assert metric_value(fleet.proxy_url, "pdproxy_registry_instances", {"role": "P"}) == 1
+        assert metric_value(fleet.proxy_url, "pdproxy_registry_instances", {"role": "D"}) == 1
+    # Both workers route with the registry process's table.
+    for _ in range(6):
+        assert fleet.registered() == {w.http_address for w in fleet.workers}
+    assert len(fleet.completion_requests("P")) == len(fleet.completion_requests("D")) == 60
+
+
+def test_a_dead_worker_is_replaced_and_its_counts_are_kept(fleet_factory: FleetFactory) -> None:
+    fleet = fleet_factory([WorkerSpec("P"), WorkerSpec("D")], proxy_args=TWO_WORKERS)
+    assert completions(fleet, 20) == [200] * 20
+    first, _second = child_pids(fleet, "HTTP worker")
+    os.kill(first, signal.SIGKILL)
+    wait_until(lambda: len(child_pids(fleet, "HTTP worker")) == 3, 20, "a third HTTP worker")
+    replacement = child_pids(fleet, "HTTP worker")[2]
+    assert replacement != first and alive(replacement)
+    # The new worker has the table (it answers, with both instances) and serves.
+    wait_until(
+        lambda: all(fleet.registered() == {w.http_address for w in fleet.workers} for _ in "abcd"),
+        10,
+        "every worker listing both instances",
+    )
+    assert completions(fleet, 20) == [200] * 20
+    # The dead worker's counts are still in the sum.
+    assert completed(fleet) == 40
+
+
+def test_the_registry_process_is_replaced_without_losing_the_fleet(
+    fleet_factory: FleetFactory,
+) -> None:
+    fleet = fleet_factory([WorkerSpec("P"), WorkerSpec("D")], proxy_args=TWO_WORKERS)
+    (registry,) = child_pids(fleet, "registry listening")
+    os.kill(registry, signal.SIGKILL)
+    wait_until(lambda: len(child_pids(fleet, "registry listening")) == 2, 20, "a new registry")
+    # The workers keep their copy while the new registry process hears the fleet again.
+    assert completions(fleet, 20) == [200] * 20
+    wait_until(
+        lambda: metric_value(fleet.proxy_url, "pdproxy_registry_instances", {"role": "D"}) == 1,
+        15,
+        "the decode announced to the new registry process",
+    )
+    assert completions(fleet, 10) == [200] * 10
+
+
+def test_sigterm_drains_every_worker_then_everything_exits(fleet_factory: FleetFactory) -> None:
+    fleet = fleet_factory(
+        [WorkerSpec("P"), WorkerSpec("D", token_latency_ms=40)], proxy_args=TWO_WORKERS
+    )
+    assert fleet.proxy is not None
+    children = child_pids(fleet, "HTTP worker") + child_pids(fleet, "registry listening")
+    assert len(children) == 3
+    streams = [_open_stream(fleet) for _ in range(4)]
+    try:
+        # The headers and the first event: every decode is under way.
+        begun = [read_until(stream, b"data: {", 20) for stream in streams]
+        os.kill(fleet.proxy.pid, signal.SIGTERM)  # the supervisor alone, as Kubernetes does
+        for start, stream in zip(begun, streams, strict=True):
+            body = start + _read_all(stream)
+            assert body.count(b"data: {") == 40 and b"data: [DONE]" in body
+            assert body.endswith(b"\r\n0\r\n\r\n")  # the last chunk: nothing was cut
+    finally:
+        for stream in streams:
+            stream.close()
+    assert fleet.proxy.process is not None
+    assert fleet.proxy.process.wait(timeout=30) == 0
+    wait_until(lambda: not any(alive(pid) for pid in children), 10, "every child exited")
+
+
+def _open_stream(fleet: LocalFleet) -> socket.socket:
+    body = json.dumps({**GOOD, "max_tokens": 40, "stream": True}).encode()
+    sock = socket.create_connection((LOOPBACK, fleet.proxy_port), timeout=20)
+    sock.sendall(
+        b"POST /v1/completions HTTP/1.1\r\nHost: x\r\nContent-Type: application/json\r\n"
+        + f"Content-Length: {len(body)}\r\nConnection: close\r\n\r\n".encode()
+        + body
+    )
+    return sock
+
+
+def _read_all(sock: socket.socket) -> bytes:
+    chunks = []
+    while chunk := sock.recv(65536):
+        chunks.append(chunk)
+    return b"".join(chunks)
+
+
+@pytest.mark.parametrize(
+    ("taken_port", "complaint"),
+    [("http", "cannot bind"), ("registry", "registry exited while starting")],
+)
+def test_a_taken_port_fails_the_start(tmp_path: Path, taken_port: str, complaint: str) -> None:
+    port, registry = free_ports(2)
+    with socket.socket() as taken:
+        taken.bind((LOOPBACK, port if taken_port == "http" else registry))
+        taken.listen()
+        proxy = ManagedProcess(
+            "pdproxy",
+            pdproxy_command(
+                "serve",
+                "--host",
+                LOOPBACK,
+                "--port",
+                str(port),
+                "--registry-bind",
+                f"tcp://{LOOPBACK}:{registry}",
+                "--workers",
+                "2",
+            ),
+            tmp_path / "pdproxy.log",
+        ).start()
+        try:
+            assert proxy.process is not None
+            assert proxy.process.wait(timeout=60) == 1
+        except subprocess.TimeoutExpired:
+            pytest.fail("the proxy kept running on a taken port:\n" + proxy.log_tail())
+        finally:
+            proxy.stop()
+    assert complaint in proxy.log_tail()
+    if taken_port == "registry":
+        with socket.socket() as probe:  # the workers never started listening
+            assert probe.connect_ex((LOOPBACK, port)) != 0
