@@ -214,6 +214,8 @@ def router_argv(
             argv += ["--upstream-max-connections", str(wanted_streams)]
         if wanted_streams > PDPROXY_DEFAULT_MAX_INFLIGHT:
             argv += ["--max-inflight-requests", str(wanted_streams)]
+        if args.pdproxy_workers > 1:
+            argv += ["--workers", str(args.pdproxy_workers)]
         return argv
     assert env is not None
     common = [
@@ -900,6 +902,12 @@ def parse_args(argv: list[str] | None) -> argparse.Namespace:
     add("--json", default=None, metavar="PATH", help="also write every number here")
     add("--no-pin", action="store_true", help="do not use taskset")
     add("--router-core", type=int, default=0)
+    add(
+        "--pdproxy-workers",
+        type=positive_int,
+        default=1,
+        help="pdproxy's --workers (with --no-pin: the Rust routers use every core too)",
+    )
     add("--aux-core", type=int, default=1, help="core of the backends, loadgen and this script")
     add("--ready-timeout", type=float, default=60.0, help="seconds a router may take to serve")
     add("--routers-venv", default=None, help="venv of the Rust routers (default: router_env.py's)")

@@ -19,6 +19,10 @@ from pdproxy.registry.table import RegistryTable
 
 log = logging.getLogger("pdproxy.registry")
 
+# The registry process republishes every second: this long without a state means it is gone
+# (it is being started again, or it cannot start). The copy keeps routing on what it has.
+SILENCE_SECONDS = 5.0
+
 
 class TableMirror:
     def __init__(
@@ -76,9 +80,25 @@ class TableMirror:
         self._received = asyncio.Event()
 
     async def _receive_loop(self, sock: zmq.asyncio.Socket) -> None:
+        silent = False
         try:
             while True:
-                data = await sock.recv()
+                try:
+                    async with asyncio.timeout(SILENCE_SECONDS):
+                        data = await sock.recv()
+                except TimeoutError:
+                    if not silent and self.revision >= 0:
+                        log.warning(
+                            "no table from the registry process for %gs: routing on the last "
+                            "copy (revision %d) until it is back",
+                            SILENCE_SECONDS,
+                            self.revision,
+                        )
+                    silent = True
+                    continue
+                if silent:
+                    log.info("the registry process publishes its table again")
+                    silent = False
                 try:
                     self.apply(decode(data, SharedState))
                 except Exception:  # a bad state must not end the copy's updates
