@@ -4,4 +4,5 @@ import sys
 
 from pdproxy.cli import main
 
-sys.exit(main())
+if __name__ == "__main__":  # not when multiprocessing's spawn imports it in a child
+    sys.exit(main())

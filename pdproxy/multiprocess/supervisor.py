@@ -91,6 +91,9 @@ class Supervisor:
         }
         try:
             if not self._start_all():
+                if self._signals:  # told to stop while starting: not a failure
+                    self._shut_down()
+                    return 0
                 self._kill(self._all())
                 return 1
             log.info(
@@ -148,7 +151,8 @@ class Supervisor:
                     "%s exited while starting (status %s)", child.name, child.process.exitcode
                 )
                 return False
-        log.error("%s did not start within %gs", child.name, START_TIMEOUT_SECONDS)
+        if not self._signals:
+            log.error("%s did not start within %gs", child.name, START_TIMEOUT_SECONDS)
         return False
 
     def _watch(self) -> None:
