@@ -13,23 +13,25 @@ from pdproxy.proxy.tracing import TracingUnavailable, check_available
 
 
 def serve(settings: Settings) -> int:
-    from pdproxy.proxy.app import create_app
     from pdproxy.proxy.credentials import Credentials, CredentialsError
-    from pdproxy.proxy.draining import run_server
 
     configure_logging(settings.log_level, settings.log_format)
     raise_descriptor_limit()
     try:
-        if settings.workers > 1:
-            from pdproxy.multiprocess.supervisor import serve_workers
-
-            Credentials.from_settings(settings)  # a missing key file fails here, not per worker
-            return serve_workers(settings)
-        app = create_app(settings)
+        # Read before anything binds: a missing key file fails the start, not a request.
+        credentials = Credentials.from_settings(settings)
     except CredentialsError as exc:
         print(f"pdproxy serve: {exc}", file=sys.stderr)
         return 2
-    return 0 if run_server(app, settings) else 1
+    if settings.workers > 1:
+        # The supervisor stays small: the web stack is imported by the workers only.
+        from pdproxy.multiprocess.supervisor import serve_workers
+
+        return serve_workers(settings)
+    from pdproxy.proxy.app import PdproxyApp
+    from pdproxy.proxy.draining import run_server
+
+    return 0 if run_server(PdproxyApp(settings, credentials=credentials), settings) else 1
 
 
 def raise_descriptor_limit() -> None:

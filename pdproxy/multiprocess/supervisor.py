@@ -6,7 +6,7 @@ port fails the start and port 0 gets one number for every worker), starts the re
 and then the workers, each of which must say it is serving within START_TIMEOUT_SECONDS, or
 the start fails. A child that dies later is started again (after a pause that doubles while
 children die young); its counters stay in the metrics files. SIGTERM or SIGINT drains: the
-workers get SIGTERM and up to drain_seconds (plus the final grace) to finish, then the registry
+workers get SIGTERM and up to drain_seconds (plus STOP_TIMEOUT_SECONDS) to finish, then the registry
 process stops; a second signal kills what is left at once.
 """
 
@@ -29,12 +29,12 @@ from typing import Any
 from pdproxy.config import Settings
 from pdproxy.multiprocess.children import reuse_port_socket, run_http_worker, run_registry
 from pdproxy.multiprocess.paths import METRICS_DIR_VARIABLE, SharedPaths
-from pdproxy.proxy.draining import FINAL_GRACE_SECONDS
 
 log = logging.getLogger("pdproxy")
 
 START_TIMEOUT_SECONDS = 60.0
-STOP_TIMEOUT_SECONDS = 10.0  # beyond the drain, for a process to exit once told to
+# Beyond the drain, for a process to exit once told to (a worker's own final grace included).
+STOP_TIMEOUT_SECONDS = 10.0
 YOUNG_DEATH_SECONDS = 10.0
 MAX_RESTART_PAUSE_SECONDS = 30.0
 POLL_SECONDS = 0.2
@@ -184,7 +184,7 @@ class Supervisor:
 
     def _shut_down(self) -> None:
         log.info("draining the HTTP workers")
-        grace = self._settings.drain_seconds + FINAL_GRACE_SECONDS + STOP_TIMEOUT_SECONDS
+        grace = self._settings.drain_seconds + STOP_TIMEOUT_SECONDS
         self._stop(self._workers, grace)
         self._stop([self._registry], STOP_TIMEOUT_SECONDS)
         log.info("every process stopped")

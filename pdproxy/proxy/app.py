@@ -164,6 +164,7 @@ class PdproxyApp:
         settings: Settings,
         clock: Callable[[], float] = time.monotonic,
         shared: SharedPaths | None = None,
+        credentials: Credentials | None = None,
     ) -> None:
         self.settings = settings
         self._clock = clock
@@ -171,7 +172,7 @@ class PdproxyApp:
         self._state: AppState | None = None
         self._hot: dict[str, CompletionsEndpoint] = {}
         # Read before anything binds: a missing key file fails the start, not a request.
-        self.credentials = Credentials.from_settings(settings)
+        self.credentials = credentials or Credentials.from_settings(settings)
         self.api = FastAPI(lifespan=self._lifespan, docs_url=None, redoc_url=None, openapi_url=None)
         install_routes(self.api, self)
 
