@@ -243,7 +243,7 @@ class Metrics:
             self.registry_instances.labels(role.value)
         for reason in Reason:
             self.registry_messages.labels("rejected", reason.value)
-        self._legs: dict[tuple[str, str], int] = {}
+        self._legs: dict[tuple[str, str], _Legs] = {}
         self._departed: set[str] = set()
         self._kv_pairs: set[tuple[str, str]] = set()
 
@@ -264,21 +264,25 @@ class Metrics:
 
     def leg_started(self, role: str, instance: str) -> None:
         key = (role, instance)
-        self._legs[key] = self._legs.get(key, 0) + 1
-        self.inflight.labels(role, instance).inc()
+        legs = self._legs.get(key)
+        if legs is None:
+            # The gauge's label lookup once per busy period, not twice per leg.
+            legs = self._legs[key] = _Legs(self.inflight.labels(role, instance))
+        legs.count += 1
+        legs.gauge.inc()
 
     def leg_finished(self, role: str, instance: str) -> None:
         key = (role, instance)
-        left = self._legs[key] - 1
-        if left:
-            self._legs[key] = left
-            self.inflight.labels(role, instance).dec()
+        legs = self._legs[key]
+        legs.count -= 1
+        if legs.count:
+            legs.gauge.dec()
             return
         del self._legs[key]
         if instance in self._departed:
             self._remove_inflight(role, instance)
         else:
-            self.inflight.labels(role, instance).set(0)
+            legs.gauge.set(0)
 
     def instance_joined(self, instance: str) -> None:
         self._departed.discard(instance)
@@ -319,6 +323,16 @@ class Metrics:
 
     def render(self) -> bytes:
         return generate_latest(self.exposed)
+
+
+class _Legs:
+    """The legs in flight to one instance in one role, and their gauge."""
+
+    __slots__ = ("count", "gauge")
+
+    def __init__(self, gauge: Gauge) -> None:
+        self.count = 0
+        self.gauge = gauge
 
 
 class _CircuitCollector(Collector):
