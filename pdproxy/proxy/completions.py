@@ -48,12 +48,15 @@ class CompletionsEndpoint:
         self._requests = metrics.requests
         self._duration = metrics.request_duration.labels(path)
         self._access_log = settings.log_format == "json"
+        # Built in the lifespan, on the loop that serves: current_task(loop) is then a dict
+        # lookup, where current_task() first looks the loop up (a getpid() on Python 3.11).
+        self._loop = asyncio.get_running_loop()
 
     async def __call__(self, scope: Scope, receive: Any, send: Any) -> None:
         started = time.perf_counter()
         client = _read_headers(scope["headers"])
         client_id = client.request_id
-        task = asyncio.current_task()
+        task = asyncio.current_task(self._loop)
         assert task is not None
         exchange = Exchange(scope, receive, send, client_id, task)
         try:

@@ -100,6 +100,7 @@ class Dispatcher:
         self._new_uid = new_uid or _random_uid()
         self._unit_random = unit_random
         self._decode_beside_prefill = frozenset(settings.concurrent_decode_connectors)
+        self._loop = asyncio.get_running_loop()  # see CompletionsEndpoint: built in the lifespan
         self._retry = RetryPolicy(
             settings.max_attempts,
             settings.retry_backoff_base_seconds,
@@ -254,7 +255,7 @@ class Dispatcher:
 
         async def prefill() -> Reply:
             began = self._rotation.now()
-            task = asyncio.current_task()
+            task = asyncio.current_task(self._loop)
             assert task is not None
             try:
                 with trace.leg(PREFILL, pair.prefill.name) as span:
@@ -267,7 +268,7 @@ class Dispatcher:
             return answer
 
         async def decode() -> None:
-            task = asyncio.current_task()
+            task = asyncio.current_task(self._loop)
             assert task is not None
             with trace.leg(DECODE, pair.decode.name) as span:
                 await self._decode(
