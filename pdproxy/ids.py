@@ -11,7 +11,7 @@ an address can ever reach an id. Pure: no I/O, no randomness (the caller supplie
 from __future__ import annotations
 
 import re
-from dataclasses import dataclass
+from dataclasses import dataclass, field
 
 # The exact patterns vLLM's P2pNcclConnector uses; the prefill worker looks for the decode
 # address, the decode worker for the prefill address.
@@ -40,9 +40,14 @@ class AddressError(ValueError):
 class Address:
     host: str
     port: int
+    # "host:port", made once: instances are named by it in every request's metrics and logs.
+    _text: str = field(init=False, repr=False, compare=False)
+
+    def __post_init__(self) -> None:
+        object.__setattr__(self, "_text", f"{self.host}:{self.port}")
 
     def __str__(self) -> str:
-        return f"{self.host}:{self.port}"
+        return self._text
 
 
 def validate_host(host: str) -> None:
