@@ -8,6 +8,7 @@ import os
 import signal
 import socket
 import subprocess
+import time
 from pathlib import Path
 from typing import Any
 
@@ -22,7 +23,7 @@ from pdproxy.testing.processes import (
     wait_until,
 )
 from tests.conftest import FleetFactory
-from tests.integration.support import metric_value, post_json, read_until
+from tests.integration.support import metric_value, post_json, read_until, request
 
 MODEL = "fake-model"
 GOOD = {"model": MODEL, "prompt": "hello workers", "max_tokens": 3}
@@ -203,3 +204,39 @@ def test_a_taken_port_fails_the_start(tmp_path: Path, taken_port: str, complaint
     if taken_port == "registry":
         with socket.socket() as probe:  # the workers never started listening
             assert probe.connect_ex((LOOPBACK, port)) != 0
+
+
+def test_admin_changes_wait_a_bounded_time_for_a_stuck_registry_process(
+    fleet_factory: FleetFactory, tmp_path: Path
+) -> None:
+    token = tmp_path / "admin"
+    token.write_text("an-admin-token-for-the-workers\n")
+    fleet = fleet_factory(
+        [WorkerSpec("P"), WorkerSpec("D")],
+        proxy_args=[*TWO_WORKERS, "--admin-token-file", str(token)],
+    )
+    admin = {"Authorization": "Bearer an-admin-token-for-the-workers"}
+    decode = fleet.role("D")[0].http_address
+    drain_url = f"{fleet.proxy_url}/v1/instances/{decode}/drain"
+    (registry,) = child_pids(fleet, "registry listening")
+    os.kill(registry, signal.SIGSTOP)  # alive but deaf: the supervisor sees nothing wrong
+    try:
+        began = time.monotonic()
+        answer = request(drain_url, "POST", b"", admin)
+        waited = time.monotonic() - began
+        assert answer.status == 503, answer.body
+        assert "registry process did not answer" in answer.json()["error"]["message"]
+        assert waited < 15
+        # Routing goes on with the copy the workers hold.
+        assert completions(fleet, 10) == [200] * 10
+    finally:
+        os.kill(registry, signal.SIGCONT)
+    assert request(drain_url, "POST", b"", admin).status == 200
+    # Every worker shows the drain: nothing can decode now.
+    wait_until(
+        lambda: all(
+            post_json(fleet.proxy_url + "/v1/completions", GOOD).status == 503 for _ in range(6)
+        ),
+        5,
+        "the drain on every worker",
+    )
