@@ -59,7 +59,10 @@ class RegistryHub:
         self.table = seeded_table(settings, metrics, clock)
         self.registry = RegistryServer(settings, self.table, metrics, clock)
         self.operator = FleetOperator(self.registry, self.table)
-        self.revision = 0
+        # Counted on from the (system-wide) monotonic clock in nanoseconds: a registry process
+        # started again publishes revisions above its predecessor's, so a worker waiting for
+        # "this revision or later" is never satisfied by its copy of the old process's state.
+        self.revision = int(clock() * 1e9)
         self._published: tuple[int, frozenset[str]] | None = None
         self._published_at = float("-inf")
 

@@ -22,7 +22,7 @@ from pdproxy.registry.table import Entry, Instance
 
 @dataclass(frozen=True, slots=True)
 class SharedState:
-    revision: int  # the publisher's counter: a copy at this revision or later shows a change
+    revision: int  # rises with every change, across restarts of the registry process
     entries: tuple[Entry, ...]
     drained: frozenset[str]
 

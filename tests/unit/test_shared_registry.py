@@ -46,7 +46,7 @@ def static(address: Address, role: Role = Role.DECODE) -> Instance:
 def test_static_instances_are_in_the_first_state() -> None:
     h = hub(decode=[STATIC_DECODE])
     state = h.state()
-    assert state.revision == 1
+    assert state.revision == 100 * 10**9 + 1  # counted on from the clock (100 s here)
     assert [e.instance.http_address for e in state.entries] == [DECODE]
     assert state.drained == frozenset()
 
@@ -60,6 +60,17 @@ def test_the_revision_moves_only_with_the_content() -> None:
     assert second == first + 1
     h.registry.handle([b"w", _announce(PREFILL)])  # a heartbeat
     assert h.state().revision == second
+
+
+def test_a_registry_started_again_counts_on_from_higher_revisions() -> None:
+    clock = Clock()
+    first = RegistryHub(Settings(), "ipc://a", "ipc://b", Metrics(), clock)
+    for _ in range(1000):
+        first.control(ControlRequest(Operation.REGISTER, instance=static(DECODE)))
+        first.control(ControlRequest(Operation.REMOVE, address=DECODE))
+    clock.now += 0.001  # a millisecond later, after a crash
+    again = RegistryHub(Settings(), "ipc://a", "ipc://b", Metrics(), clock, restarted=True)
+    assert again.state().revision > first.state().revision
 
 
 def test_operator_changes_reply_with_the_revision_that_shows_them() -> None:
