@@ -2,13 +2,16 @@
 
 Names are `pdproxy_*` in base units (seconds, bytes). Label values come from bounded sets
 (endpoint, status class, role, reason enums) or from registered instances, whose labels are
-removed when the instance leaves, so label cardinality is bounded by the registry cap.
+removed when the instance leaves, so label cardinality is bounded by the registry cap (in one
+process; see below for several).
 
 With several HTTP workers (`--workers`), every process writes its values to files in one
 directory (prometheus_client's multiprocess mode) and /metrics, whichever worker answers, sums
 them: counters and histograms over every process that ever ran (a restarted worker's counts are
 not lost), gauges over the live ones. That mode cannot remove a label set, so there an
-instance's gauges drop to 0 when it leaves instead of disappearing.
+instance's series stay when it leaves (its in-flight and bandwidth gauges at 0, its KV byte
+counters at their last value) until the processes are restarted: the series grow with every
+instance ever seen, not with the registry cap.
 """
 
 from __future__ import annotations
@@ -244,6 +247,7 @@ class Metrics:
         for reason in Reason:
             self.registry_messages.labels("rejected", reason.value)
         self._legs: dict[tuple[str, str], _Legs] = {}
+        self._inflight_sets: set[tuple[str, str]] = set()  # (role, instance) ever given a leg
         self._departed: set[str] = set()
         self._kv_pairs: set[tuple[str, str]] = set()
 
@@ -268,6 +272,7 @@ class Metrics:
         if legs is None:
             # The gauge's label lookup once per busy period, not twice per leg.
             legs = self._legs[key] = _Legs(self.inflight.labels(role, instance))
+            self._inflight_sets.add(key)
         legs.count += 1
         legs.gauge.inc()
 
@@ -309,7 +314,8 @@ class Metrics:
 
     def _remove_inflight(self, role: str, instance: str) -> None:
         if self.shared:
-            self.inflight.labels(role, instance).set(0)
+            if (role, instance) in self._inflight_sets:  # never make a series to zero it
+                self.inflight.labels(role, instance).set(0)
         else:
             with contextlib.suppress(KeyError):
                 self.inflight.remove(role, instance)

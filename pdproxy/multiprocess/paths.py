@@ -22,5 +22,9 @@ class SharedPaths:
         return f"ipc://{os.path.join(self.directory, 'control')}"
 
     @property
+    def admin_state(self) -> str:
+        return os.path.join(self.directory, "admin-state")
+
+    @property
     def metrics_dir(self) -> str:
         return os.path.join(self.directory, "metrics")

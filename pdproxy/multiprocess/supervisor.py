@@ -7,7 +7,8 @@ and then the workers, each of which must say it is serving within START_TIMEOUT_
 the start fails. A child that dies later is started again (after a pause that doubles while
 children die young); its counters stay in the metrics files. SIGTERM or SIGINT drains: the
 workers get SIGTERM and up to drain_seconds (plus STOP_TIMEOUT_SECONDS) to finish, then the registry
-process stops; a second signal kills what is left at once.
+process is told to stop (STOP_REGISTRY); a second signal kills what is left at once. Should the
+supervisor itself fail, it kills its children before the shared directory goes.
 """
 
 from __future__ import annotations
@@ -19,6 +20,7 @@ import multiprocessing.connection
 import os
 import shutil
 import signal
+import socket
 import tempfile
 import time
 from dataclasses import dataclass, field
@@ -27,7 +29,12 @@ from types import FrameType
 from typing import Any
 
 from pdproxy.config import Settings
-from pdproxy.multiprocess.children import reuse_port_socket, run_http_worker, run_registry
+from pdproxy.multiprocess.children import (
+    STOP_REGISTRY,
+    reuse_port_socket,
+    run_http_worker,
+    run_registry,
+)
 from pdproxy.multiprocess.paths import METRICS_DIR_VARIABLE, SharedPaths
 
 log = logging.getLogger("pdproxy")
@@ -60,7 +67,7 @@ def serve_workers(settings: Settings) -> int:
     # Inherited by every child: prometheus_client chooses its multiprocess mode at import.
     os.environ[METRICS_DIR_VARIABLE] = shared.metrics_dir
     try:
-        reserved = reuse_port_socket(settings.host, settings.port)
+        reserved = _reserve_port(settings.host, settings.port)
     except OSError as exc:
         log.error("cannot bind %s:%d: %s", settings.host, settings.port, exc)
         shutil.rmtree(directory, ignore_errors=True)
@@ -73,14 +80,28 @@ def serve_workers(settings: Settings) -> int:
         shutil.rmtree(directory, ignore_errors=True)
 
 
+def _reserve_port(host: str, port: int) -> socket.socket:
+    """Fail now if anything holds the port, even a socket of this user's that allows sharing it
+    (SO_REUSEPORT would let the workers join it silently); then hold it for the workers."""
+    with socket.socket(_family(host), socket.SOCK_STREAM) as probe:
+        probe.bind((host, port))
+        port = probe.getsockname()[1]  # port 0: the one the kernel chose
+    return reuse_port_socket(host, port)
+
+
+def _family(host: str) -> socket.AddressFamily:
+    return socket.getaddrinfo(host, None, type=socket.SOCK_STREAM, flags=socket.AI_PASSIVE)[0][0]
+
+
 class Supervisor:
     def __init__(self, settings: Settings, shared: SharedPaths, port: int) -> None:
         self._settings = settings
         self._port = port
         self._context = multiprocessing.get_context("spawn")
-        self._registry = Child("registry", run_registry, (settings, shared))
+        me = os.getpid()
+        self._registry = Child("registry", run_registry, (settings, shared, me))
         self._workers = [
-            Child(f"worker {i}", run_http_worker, (settings, shared, port, i))
+            Child(f"worker {i}", run_http_worker, (settings, shared, port, i, me))
             for i in range(settings.workers)
         ]
         self._signals = 0
@@ -90,26 +111,35 @@ class Supervisor:
             sig: signal.signal(sig, self._on_signal) for sig in (signal.SIGTERM, signal.SIGINT)
         }
         try:
-            if not self._start_all():
-                if self._signals:  # told to stop while starting: not a failure
-                    self._shut_down()
-                    return 0
-                self._kill(self._all())
-                return 1
-            log.info(
-                "pdproxy serving on %s:%d with %d HTTP workers and a registry process (%s)",
-                self._settings.host,
-                self._port,
-                len(self._workers),
-                self._settings.registry_bind,
-            )
-            while not self._signals:
-                self._watch()
-            self._shut_down()
-            return 0
+            return self._serve()
+        except BaseException:
+            self._kill(self._all())  # never leave children behind the shared directory
+            for child in self._all():
+                if child.process is not None:
+                    child.process.join(STOP_TIMEOUT_SECONDS)
+            raise
         finally:
             for sig, handler in previous.items():
                 signal.signal(sig, handler)
+
+    def _serve(self) -> int:
+        if not self._start_all():
+            if self._signals:  # told to stop while starting: not a failure
+                self._shut_down()
+                return 0
+            self._kill(self._all())
+            return 1
+        log.info(
+            "pdproxy serving on %s:%d with %d HTTP workers and a registry process (%s)",
+            self._settings.host,
+            self._port,
+            len(self._workers),
+            self._settings.registry_bind,
+        )
+        while not self._signals:
+            self._watch()
+        self._shut_down()
+        return 0
 
     def _on_signal(self, sig: int, _frame: FrameType | None) -> None:
         self._signals += 1
@@ -185,14 +215,14 @@ class Supervisor:
     def _shut_down(self) -> None:
         log.info("draining the HTTP workers")
         grace = self._settings.drain_seconds + STOP_TIMEOUT_SECONDS
-        self._stop(self._workers, grace)
-        self._stop([self._registry], STOP_TIMEOUT_SECONDS)
+        self._stop(self._workers, signal.SIGTERM, grace)
+        self._stop([self._registry], STOP_REGISTRY, STOP_TIMEOUT_SECONDS)
         log.info("every process stopped")
 
-    def _stop(self, children: list[Child], grace: float) -> None:
+    def _stop(self, children: list[Child], stop: signal.Signals, grace: float) -> None:
         running = [c.process for c in children if c.process is not None and c.process.is_alive()]
         for process in running:
-            _signal(process, signal.SIGTERM)
+            _signal(process, stop)
         deadline = time.monotonic() + grace
         for process in running:
             process.join(max(0.0, deadline - time.monotonic()))

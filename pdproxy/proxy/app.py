@@ -125,7 +125,7 @@ async def build_state(
         link = LocalRegistry(registry, table, rotation)
     else:
         copy = RegistryCopy(shared, table, rotation, metrics)
-        await copy.first_copy()  # before the lifespan ends, so before the socket listens
+        await copy.first_copy(settings.ttl)  # before the lifespan ends: before it listens
         link = copy
     dispatcher = Dispatcher(
         settings, rotation, upstream, metrics, tracing, new_uid=lambda: random_hex.hex(16)

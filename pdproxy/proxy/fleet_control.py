@@ -4,7 +4,9 @@
 from __future__ import annotations
 
 import asyncio
+import dataclasses
 import logging
+import time
 from typing import Protocol
 
 import zmq
@@ -46,24 +48,25 @@ class RemoteControl:
         self._endpoint = endpoint
         self._context = context
         self._mirror = mirror
-        self._lock = asyncio.Lock()  # one request at a time: admin calls are rare
 
     async def apply(self, request: ControlRequest) -> ControlReply:
-        async with self._lock:
-            # A socket per request: a reply that comes too late can never answer the next one.
-            sock = self._context.socket(zmq.DEALER)
-            sock.setsockopt(zmq.LINGER, 0)
-            try:
-                sock.connect(self._endpoint)
-                async with asyncio.timeout(CONTROL_TIMEOUT_SECONDS):
-                    await sock.send(encode(request))
-                    reply = decode(await sock.recv(), ControlReply)
-            except TimeoutError:
-                raise ControlUnavailable(
-                    f"the registry process did not answer within {CONTROL_TIMEOUT_SECONDS:g}s"
-                ) from None
-            finally:
-                sock.close(linger=0)
-        if not await self._mirror.caught_up(reply.revision, CONTROL_TIMEOUT_SECONDS):
+        # A socket per request: a reply that comes too late can never answer another one.
+        sock = self._context.socket(zmq.DEALER)
+        sock.setsockopt(zmq.LINGER, 0)
+        expires_at = time.monotonic() + CONTROL_TIMEOUT_SECONDS
+        try:
+            sock.connect(self._endpoint)
+            async with asyncio.timeout(CONTROL_TIMEOUT_SECONDS):
+                await sock.send(encode(dataclasses.replace(request, expires_at=expires_at)))
+                reply = decode(await sock.recv(), ControlReply)
+        except TimeoutError:
+            raise ControlUnavailable(
+                f"the registry process did not answer within {CONTROL_TIMEOUT_SECONDS:g}s"
+            ) from None
+        finally:
+            sock.close(linger=0)
+        if reply.unavailable is not None:
+            raise ControlUnavailable(reply.unavailable)
+        if reply.done and not await self._mirror.caught_up(reply.revision, CONTROL_TIMEOUT_SECONDS):
             log.warning("admin change applied, but this worker's copy has not shown it yet")
         return reply

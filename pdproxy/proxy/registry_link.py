@@ -37,10 +37,10 @@ class LocalRegistry:
         await self._registry.stop()
 
 
-# A worker starts listening only once it holds the registry's table (republished every second),
-# or after this long: a registry process that holds back after its own restart must not keep
-# the worker from serving on the copy the others have.
-FIRST_COPY_TIMEOUT_SECONDS = 3.0
+# A worker starts listening only once it holds the registry's table (republished every two
+# seconds), or after this long beyond one TTL: a registry process that was started again holds
+# back for one TTL, and a worker must not wait for ever on one that cannot start.
+FIRST_COPY_GRACE_SECONDS = 3.0
 
 
 class RegistryCopy:
@@ -52,12 +52,10 @@ class RegistryCopy:
         self._mirror.start()
         self.control = RemoteControl(shared.control_endpoint, self._context, self._mirror)
 
-    async def first_copy(self) -> None:
-        if not await self._mirror.caught_up(0, FIRST_COPY_TIMEOUT_SECONDS):
-            log.warning(
-                "no table from the registry process within %gs: serving without one",
-                FIRST_COPY_TIMEOUT_SECONDS,
-            )
+    async def first_copy(self, ttl: float) -> None:
+        within = ttl + FIRST_COPY_GRACE_SECONDS
+        if not await self._mirror.caught_up(0, within):
+            log.warning("no table from the registry process within %gs: serving without", within)
 
     async def stop(self) -> None:
         await self._mirror.stop()

@@ -183,7 +183,8 @@ async def _apply(state: AppState, request: ControlRequest) -> ControlReply:
     try:
         return await state.control.apply(request)
     except ControlUnavailable as exc:
-        raise StarletteHTTPException(503, f"not applied: {exc}") from None
+        retry = {"Retry-After": str(state.settings.retry_after_seconds)}
+        raise StarletteHTTPException(503, f"not applied: {exc}", retry) from None
 
 
 def _model_card(name: str) -> dict[str, Any]:

@@ -22,6 +22,7 @@ log = logging.getLogger("pdproxy.registry")
 # The registry process republishes every second: this long without a state means it is gone
 # (it is being started again, or it cannot start). The copy keeps routing on what it has.
 SILENCE_SECONDS = 5.0
+PUBLISH_RETRY_SECONDS = 0.1
 
 
 class TableMirror:
@@ -86,6 +87,10 @@ class TableMirror:
                 try:
                     async with asyncio.timeout(SILENCE_SECONDS):
                         data = await sock.recv()
+                except zmq.ZMQError as exc:  # keep the copy updating, whatever happened
+                    log.warning("registry copy: receiving failed (%s); trying again", exc)
+                    await asyncio.sleep(PUBLISH_RETRY_SECONDS)
+                    continue
                 except TimeoutError:
                     if not silent and self.revision >= 0:
                         log.warning(

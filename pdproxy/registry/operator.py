@@ -5,10 +5,11 @@ from __future__ import annotations
 
 import logging
 
+from pdproxy.ids import Address
 from pdproxy.registry.messages import Rejected
 from pdproxy.registry.server import RegistryServer
-from pdproxy.registry.shared_state import ControlRequest, Operation
-from pdproxy.registry.table import RegistryTable
+from pdproxy.registry.shared_state import AdminState, ControlRequest, Operation
+from pdproxy.registry.table import Instance, RegistryTable
 
 log = logging.getLogger("pdproxy.registry")
 
@@ -19,6 +20,22 @@ class FleetOperator:
         self._table = table
         # Instances an operator drained: no new legs; those in flight finish.
         self.drained: frozenset[str] = frozenset()
+        # Instances an operator registered (and has not removed), by http address.
+        self.registered: dict[Address, Instance] = {}
+
+    def admin_state(self) -> AdminState:
+        return AdminState(tuple(self.registered.values()), self.drained)
+
+    def restore(self, saved: AdminState) -> None:
+        """Take back what an operator said to a registry process that died."""
+        for instance in saved.registered:
+            try:
+                self._registry.add_static(instance)
+            except Rejected as exc:
+                log.warning("registry: %s could not be registered again: %s", instance.name, exc)
+                continue
+            self.registered[instance.http_address] = instance
+        self.drained = saved.drained
 
     def apply(self, request: ControlRequest) -> tuple[bool, str | None]:
         """(done, refusal): done is False when there was nothing to remove, drain or
@@ -29,12 +46,14 @@ class FleetOperator:
                 self._registry.add_static(request.instance)
             except Rejected as exc:
                 return False, str(exc)
+            self.registered[request.instance.http_address] = request.instance
             return True, None
         assert request.address is not None
         name = str(request.address)
         if request.operation is Operation.REMOVE:
             if not self._registry.remove(request.address):
                 return False, None
+            self.registered.pop(request.address, None)
             self.drained -= {name}
             return True, None
         if request.operation is Operation.DRAIN:

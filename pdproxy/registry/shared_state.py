@@ -11,6 +11,7 @@ as trusted as the process itself. Nothing from the network is ever unpickled.
 
 from __future__ import annotations
 
+import math
 import pickle
 from dataclasses import dataclass
 from enum import StrEnum
@@ -39,6 +40,9 @@ class ControlRequest:
     operation: Operation
     instance: Instance | None = None  # REGISTER
     address: Address | None = None  # REMOVE, DRAIN, UNDRAIN
+    # time.monotonic() (one clock for all processes of the host) past which the worker has
+    # answered 503: a request that reaches the registry process later is never applied.
+    expires_at: float = math.inf
 
 
 @dataclass(frozen=True, slots=True)
@@ -46,12 +50,22 @@ class ControlReply:
     done: bool  # False: nothing to remove, drain or undrain
     revision: int
     refusal: str | None = None  # REGISTER refused (the registry is full, a static conflict)
+    unavailable: str | None = None  # not applied at all, try again later (and why)
+
+
+@dataclass(frozen=True, slots=True)
+class AdminState:
+    """What only an operator said, kept in the shared directory so that a registry process
+    started again knows it: instances registered through the admin API, the drained set."""
+
+    registered: tuple[Instance, ...]
+    drained: frozenset[str]
 
 
 _T = TypeVar("_T")
 
 
-def encode(value: SharedState | ControlRequest | ControlReply) -> bytes:
+def encode(value: SharedState | ControlRequest | ControlReply | AdminState) -> bytes:
     return pickle.dumps(value, protocol=pickle.HIGHEST_PROTOCOL)
 
 

@@ -126,6 +126,12 @@ class RegistryTable:
         return len(self._entries)
 
     @property
+    def version(self) -> int:
+        """Moves when membership, roles, addresses, models, connectors or geometry change (the
+        snapshot's version; load-only changes move it only when a snapshot is taken)."""
+        return self._version
+
+    @property
     def revision(self) -> int:
         """Moves on every change of content, load included (not on mere heartbeats): what a
         copy of this table elsewhere must follow."""

@@ -30,19 +30,29 @@ GOOD = {"model": MODEL, "prompt": "hello workers", "max_tokens": 3}
 TWO_WORKERS = ["--workers", "2", "--log-format", "json"]
 
 
+ADMIN = {"Authorization": "Bearer an-admin-token-for-the-workers"}
+
+
+def admin_token(directory: Path) -> list[str]:
+    token = directory / "admin"
+    token.write_text("an-admin-token-for-the-workers\n")
+    return ["--admin-token-file", str(token)]
+
+
 def log_lines(fleet: LocalFleet) -> list[dict[str, Any]]:
     text = (fleet.log_dir / "pdproxy.log").read_text()
     return [json.loads(line) for line in text.splitlines() if line.startswith("{")]
 
 
+def access_pids(fleet: LocalFleet) -> list[int]:
+    """The pid of the process that wrote each access line so far."""
+    return [line["pid"] for line in log_lines(fleet) if line["logger"] == "pdproxy.access"]
+
+
 def served_by(fleet: LocalFleet, count: int) -> list[int]:
     """The pids of the processes that wrote the first `count` access lines."""
-
-    def access() -> list[dict[str, Any]]:
-        return [line for line in log_lines(fleet) if line["logger"] == "pdproxy.access"]
-
-    wait_until(lambda: len(access()) >= count, 10, f"{count} access lines")
-    return [line["pid"] for line in access()[:count]]
+    wait_until(lambda: len(access_pids(fleet)) >= count, 10, f"{count} access lines")
+    return access_pids(fleet)[:count]
 
 
 def child_pids(fleet: LocalFleet, message_start: str) -> list[int]:
@@ -108,22 +118,43 @@ def test_a_dead_worker_is_replaced_and_its_counts_are_kept(fleet_factory: FleetF
     assert completions(fleet, 20) == [200] * 20
     # The dead worker's counts are still in the sum.
     assert completed(fleet) == 40
+    # And the replacement takes connections itself.
+    wait_until(
+        lambda: completions(fleet, 5) == [200] * 5 and replacement in access_pids(fleet),
+        20,
+        "a request served by the replacement",
+    )
 
 
 def test_the_registry_process_is_replaced_without_losing_the_fleet(
-    fleet_factory: FleetFactory,
+    fleet_factory: FleetFactory, tmp_path: Path
 ) -> None:
-    fleet = fleet_factory([WorkerSpec("P"), WorkerSpec("D")], proxy_args=TWO_WORKERS)
+    fleet = fleet_factory(
+        [WorkerSpec("P"), WorkerSpec("D")],
+        proxy_args=[*TWO_WORKERS, "--ttl", "4", *admin_token(tmp_path)],
+    )
+    instances = fleet.proxy_url + "/v1/instances"
+    spare = {"role": "decode", "http_address": "127.0.0.1:1000", "zmq_address": "127.0.0.1:1001"}
+    assert request(instances, "POST", json.dumps(spare).encode(), ADMIN).status == 201
+    assert request(f"{instances}/127.0.0.1:1000/drain", "POST", b"", ADMIN).status == 200
     (registry,) = child_pids(fleet, "registry listening")
     os.kill(registry, signal.SIGKILL)
     wait_until(lambda: len(child_pids(fleet, "registry listening")) == 2, 20, "a new registry")
-    # The workers keep their copy while the new registry process hears the fleet again.
+    # For one TTL the new registry process hears the fleet again: it refuses admin changes
+    # and publishes nothing, and the workers keep routing on their copy.
+    decode = fleet.role("D")[0].http_address
+    refused = request(f"{instances}/{decode}/drain", "POST", b"", ADMIN)
+    assert refused.status == 503 and "started again" in refused.json()["error"]["message"]
+    assert refused.headers.get("retry-after")
     assert completions(fleet, 20) == [200] * 20
-    wait_until(
-        lambda: metric_value(fleet.proxy_url, "pdproxy_registry_instances", {"role": "D"}) == 1,
-        15,
-        "the decode announced to the new registry process",
-    )
+
+    # Then every worker gets the whole fleet back, with what the operator had said.
+    def listed() -> dict[str, bool]:
+        answer = request(instances, "GET")
+        return {i["http_address"]: i["drained"] for i in answer.json()["instances"]}
+
+    expected = {w.http_address: False for w in fleet.workers} | {"127.0.0.1:1000": True}
+    wait_until(lambda: all(listed() == expected for _ in range(6)), 15, "the fleet back")
     assert completions(fleet, 10) == [200] * 10
 
 
@@ -209,20 +240,16 @@ def test_a_taken_port_fails_the_start(tmp_path: Path, taken_port: str, complaint
 def test_admin_changes_wait_a_bounded_time_for_a_stuck_registry_process(
     fleet_factory: FleetFactory, tmp_path: Path
 ) -> None:
-    token = tmp_path / "admin"
-    token.write_text("an-admin-token-for-the-workers\n")
     fleet = fleet_factory(
-        [WorkerSpec("P"), WorkerSpec("D")],
-        proxy_args=[*TWO_WORKERS, "--admin-token-file", str(token)],
+        [WorkerSpec("P"), WorkerSpec("D")], proxy_args=[*TWO_WORKERS, *admin_token(tmp_path)]
     )
-    admin = {"Authorization": "Bearer an-admin-token-for-the-workers"}
     decode = fleet.role("D")[0].http_address
     drain_url = f"{fleet.proxy_url}/v1/instances/{decode}/drain"
     (registry,) = child_pids(fleet, "registry listening")
     os.kill(registry, signal.SIGSTOP)  # alive but deaf: the supervisor sees nothing wrong
     try:
         began = time.monotonic()
-        answer = request(drain_url, "POST", b"", admin)
+        answer = request(drain_url, "POST", b"", ADMIN)
         waited = time.monotonic() - began
         assert answer.status == 503, answer.body
         assert "registry process did not answer" in answer.json()["error"]["message"]
@@ -231,7 +258,10 @@ def test_admin_changes_wait_a_bounded_time_for_a_stuck_registry_process(
         assert completions(fleet, 10) == [200] * 10
     finally:
         os.kill(registry, signal.SIGCONT)
-    assert request(drain_url, "POST", b"", admin).status == 200
+    # The refused drain is not applied later: the instance stays in rotation.
+    time.sleep(1.0)  # a late drain would be published within 50 ms of reaching the registry
+    assert completions(fleet, 10) == [200] * 10
+    assert request(drain_url, "POST", b"", ADMIN).status == 200
     # Every worker shows the drain: nothing can decode now.
     wait_until(
         lambda: all(
