@@ -158,7 +158,12 @@ def test_the_registry_process_is_replaced_without_losing_the_fleet(
     assert completions(fleet, 10) == [200] * 10
 
 
-def test_sigterm_drains_every_worker_then_everything_exits(fleet_factory: FleetFactory) -> None:
+@pytest.mark.parametrize("to", ["supervisor", "group"])
+def test_sigterm_drains_every_worker_then_everything_exits(
+    fleet_factory: FleetFactory, to: str
+) -> None:
+    """SIGTERM to the supervisor alone (as Kubernetes sends it), or to the whole process group
+    (a terminal, systemd): either way the streams in flight finish and all exit 0."""
     fleet = fleet_factory(
         [WorkerSpec("P"), WorkerSpec("D", token_latency_ms=40)], proxy_args=TWO_WORKERS
     )
@@ -169,7 +174,10 @@ def test_sigterm_drains_every_worker_then_everything_exits(fleet_factory: FleetF
     try:
         # The headers and the first event: every decode is under way.
         begun = [read_until(stream, b"data: {", 20) for stream in streams]
-        os.kill(fleet.proxy.pid, signal.SIGTERM)  # the supervisor alone, as Kubernetes does
+        if to == "supervisor":
+            os.kill(fleet.proxy.pid, signal.SIGTERM)
+        else:
+            os.killpg(fleet.proxy.pid, signal.SIGTERM)
         for start, stream in zip(begun, streams, strict=True):
             body = start + _read_all(stream)
             assert body.count(b"data: {") == 40 and b"data: [DONE]" in body
