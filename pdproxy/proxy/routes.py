@@ -112,32 +112,34 @@ def install_routes(api: FastAPI, app: PdproxyApp) -> None:
             return _error(409, f"not registered: {reply.refusal}")
         return _json({"registered": instance.name}, 201)
 
-    @api.delete("/v1/instances/{name}")
-    async def deregister(name: str, request: Request) -> Response:
-        state = app.state
+    async def change(
+        name: str, request: Request, operation: Operation, done: str, missing: str
+    ) -> Response:
+        """Remove, drain or undrain one instance: {done: address}, or 404 saying `missing`."""
         _require_admin(app, request)
         address = _address(name)
-        if not (await _apply(state, ControlRequest(Operation.REMOVE, address=address))).done:
-            return _error(404, f"no instance {name} is registered")
-        return _json({"removed": str(address)})
+        reply = await _apply(app.state, ControlRequest(operation, address=address))
+        if not reply.done:
+            return _error(404, missing.format(address=address))
+        return _json({done: str(address)})
+
+    @api.delete("/v1/instances/{name}")
+    async def deregister(name: str, request: Request) -> Response:
+        return await change(
+            name, request, Operation.REMOVE, "removed", "no instance {address} is registered"
+        )
 
     @api.post("/v1/instances/{name}/drain")
     async def drain(name: str, request: Request) -> Response:
-        state = app.state
-        _require_admin(app, request)
-        address = _address(name)
-        if not (await _apply(state, ControlRequest(Operation.DRAIN, address=address))).done:
-            return _error(404, f"no instance {address} is registered")
-        return _json({"drained": str(address)})
+        return await change(
+            name, request, Operation.DRAIN, "drained", "no instance {address} is registered"
+        )
 
     @api.delete("/v1/instances/{name}/drain")
     async def undrain(name: str, request: Request) -> Response:
-        state = app.state
-        _require_admin(app, request)
-        address = _address(name)
-        if not (await _apply(state, ControlRequest(Operation.UNDRAIN, address=address))).done:
-            return _error(404, f"instance {address} is not drained")
-        return _json({"undrained": str(address)})
+        return await change(
+            name, request, Operation.UNDRAIN, "undrained", "instance {address} is not drained"
+        )
 
     @api.get("/v1/models")
     async def models(request: Request) -> Response:

@@ -137,7 +137,12 @@ class OutlierDetector:
         record = self._records.get(name)
         if record is None:
             return OutlierStatus(Circuit.CLOSED, 0, 0, 0.0)
-        left = max(0.0, record.open_until - now) if record.circuit is Circuit.OPEN else 0.0
+        left = 0.0
+        if record.circuit is Circuit.OPEN:
+            # From the ejection's own length, not from open_until: (t + d) - t may exceed d by a
+            # rounding error, and an ejection never lasts longer than its cool-down.
+            cool_down = self.policy.cool_down(record.ejections)
+            left = max(0.0, cool_down - max(0.0, now - record.ejected_at))
         return OutlierStatus(record.circuit, record.consecutive, record.ejections, left)
 
     def circuits(self) -> dict[str, Circuit]:
