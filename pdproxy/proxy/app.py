@@ -27,7 +27,6 @@ from pdproxy.proxy.credentials import Credentials
 from pdproxy.proxy.dispatch import Dispatcher
 from pdproxy.proxy.errors import error_body
 from pdproxy.proxy.exchange import Scope
-from pdproxy.proxy.fleet_control import FleetControl
 from pdproxy.proxy.prober import HealthProber
 from pdproxy.proxy.random_ids import RandomHex
 from pdproxy.proxy.registry_link import LocalRegistry, RegistryCopy, RegistryLink
@@ -61,7 +60,6 @@ class AppState:
     settings: Settings
     metrics: Metrics
     table: RegistryTable
-    control: FleetControl
     upstream: Upstream
     planner: Planner
     rotation: Rotation
@@ -144,7 +142,6 @@ async def build_state(
         settings,
         metrics,
         table,
-        link.control,
         upstream,
         planner,
         rotation,

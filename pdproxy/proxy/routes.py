@@ -183,7 +183,7 @@ def install_routes(api: FastAPI, app: PdproxyApp) -> None:
 
 async def _apply(state: AppState, request: ControlRequest) -> ControlReply:
     try:
-        return await state.control.apply(request)
+        return await state.registry_link.control.apply(request)
     except ControlUnavailable as exc:
         retry = {"Retry-After": str(state.settings.retry_after_seconds)}
         raise StarletteHTTPException(503, f"not applied: {exc}", retry) from None

@@ -19,10 +19,10 @@ from pdproxy.registry.table import RegistryTable
 
 log = logging.getLogger("pdproxy.registry")
 
-# The registry process republishes every second: this long without a state means it is gone
+# The registry process republishes every two seconds: this long without a state means it is gone
 # (it is being started again, or it cannot start). The copy keeps routing on what it has.
 SILENCE_SECONDS = 5.0
-PUBLISH_RETRY_SECONDS = 0.1
+RECEIVE_RETRY_SECONDS = 0.1
 
 
 class TableMirror:
@@ -89,7 +89,7 @@ class TableMirror:
                         data = await sock.recv()
                 except zmq.ZMQError as exc:  # keep the copy updating, whatever happened
                     log.warning("registry copy: receiving failed (%s); trying again", exc)
-                    await asyncio.sleep(PUBLISH_RETRY_SECONDS)
+                    await asyncio.sleep(RECEIVE_RETRY_SECONDS)
                     continue
                 except TimeoutError:
                     if not silent and self.revision >= 0:
