@@ -25,6 +25,7 @@ from typing import Any, Protocol
 import uvicorn
 
 from pdproxy.config import Settings
+from pdproxy.proxy.http_protocol import HttpProtocol
 
 log = logging.getLogger("pdproxy")
 
@@ -101,7 +102,7 @@ def run_server(
         host=settings.host,
         port=settings.port,
         loop=_event_loop(),
-        http="httptools",
+        http=HttpProtocol,
         lifespan="on",
         access_log=False,
         log_level=settings.log_level,

@@ -14,6 +14,7 @@ from dataclasses import dataclass
 from typing import Any
 
 from pdproxy.proxy.errors import ProxyError, error_body
+from pdproxy.proxy.http_protocol import DISCONNECT_HOOK
 
 Scope = dict[str, Any]
 Message = dict[str, Any]
@@ -66,6 +67,7 @@ class Exchange:
     ) -> None:
         # The request's task, looked up once: its deadlines cancel it (see proxy.deadline).
         self.task = task
+        self._scope = scope
         self._receive = receive
         self._send = send
         self._echo_id = echo_id
@@ -82,6 +84,7 @@ class Exchange:
         self.notes = RequestNotes()
         self._streaming = False
         self._watcher: asyncio.Task[None] | None = None
+        self._watching = False
 
     # -- request -----------------------------------------------------------------------------
 
@@ -112,21 +115,32 @@ class Exchange:
         return b"".join(parts)
 
     def watch_disconnect(self) -> None:
-        """From now on, a client disconnect cancels the current task (call after read_body)."""
-        task = self.task
-        self._watcher = task.get_loop().create_task(self._watch(task))
+        """From now on, a client disconnect cancels the request's task (call after read_body).
 
-    async def _watch(self, task: asyncio.Task[Any]) -> None:
+        pdproxy's own HTTP server calls back when the client leaves; under any other ASGI
+        server a task waits in receive() for the disconnect message instead."""
+        self._watching = True
+        hook = self._scope.get("extensions", {}).get(DISCONNECT_HOOK)
+        if hook is not None:
+            hook(self._client_left)
+            return
+        self._watcher = self.task.get_loop().create_task(self._watch())
+
+    async def _watch(self) -> None:
         while True:
             message = await self._receive()
             if message["type"] == "http.disconnect":
-                # The server also reports "disconnect" once our response is complete.
-                if not self.complete:
-                    self.client_gone = True
-                    task.cancel()
+                self._client_left()
                 return
 
+    def _client_left(self) -> None:
+        # The server also reports "disconnect" once our response is complete.
+        if self._watching and not self.complete:
+            self.client_gone = True
+            self.task.cancel()
+
     def stop_watching(self) -> None:
+        self._watching = False
         if self._watcher is not None and not self._watcher.done():
             self._watcher.cancel()
         self._watcher = None

@@ -1,0 +1,477 @@
+"""pdproxy's HTTP/1.1 protocol (pdproxy/proxy/http_protocol.py) over real loopback sockets.
+
+A small ASGI application is served by the protocol on an event loop in a thread; the tests
+speak HTTP to it with http.client and with raw sockets where the byte layout matters
+(pipelining, 100-continue, malformed requests, one write per answer).
+"""
+
+from __future__ import annotations
+
+import asyncio
+import http.client
+import socket
+import threading
+import time
+from collections.abc import Iterator
+from typing import Any
+
+import pytest
+import uvloop
+from uvicorn.config import Config
+from uvicorn.server import ServerState
+
+from pdproxy.proxy.http_protocol import DISCONNECT_HOOK, HttpProtocol
+
+HOST = "127.0.0.1"
+IDLE_SECONDS = 1
+BIG = 8 * 1024 * 1024
+
+
+class Recorder:
+    """What the application saw, for the tests to assert on."""
+
+    def __init__(self) -> None:
+        self.events: list[str] = []
+        self.send_waits: list[float] = []
+        self.changed = threading.Event()
+
+    def note(self, event: str) -> None:
+        self.events.append(event)
+        self.changed.set()
+
+    def wait_for(self, event: str, timeout: float = 5.0) -> bool:
+        deadline = time.monotonic() + timeout
+        while event not in self.events:
+            left = deadline - time.monotonic()
+            if left <= 0:
+                return False
+            self.changed.wait(left)
+            self.changed.clear()
+        return True
+
+
+async def _read_all(receive: Any) -> bytes:
+    parts = []
+    while True:
+        message = await receive()
+        assert message["type"] == "http.request"
+        parts.append(message["body"])
+        if not message["more_body"]:
+            return b"".join(parts)
+
+
+def _app(recorder: Recorder) -> Any:
+    async def app(scope: dict[str, Any], receive: Any, send: Any) -> None:
+        if scope["type"] == "lifespan":
+            return
+        path = scope["path"]
+        if path == "/slow":
+            await asyncio.sleep(0.2)
+        if path == "/boom":
+            raise ValueError("the application failed before answering")
+        body = await _read_all(receive)
+        if path == "/stream":
+            await send({"type": "http.response.start", "status": 200, "headers": []})
+            for index in range(5):
+                chunk = b"data: %d\n\n" % index
+                await send({"type": "http.response.body", "body": chunk, "more_body": True})
+            await send({"type": "http.response.body", "body": b"", "more_body": False})
+            return
+        if path == "/late-boom":
+            await send({"type": "http.response.start", "status": 200, "headers": []})
+            await send({"type": "http.response.body", "body": b"partial", "more_body": True})
+            raise ValueError("the application failed while answering")
+        if path == "/forged-header":
+            headers = [(b"x-forged", b"a\r\nset-cookie: stolen=1")]
+            await send({"type": "http.response.start", "status": 200, "headers": headers})
+            return
+        if path == "/short":
+            headers = [(b"content-length", b"10")]
+            await send({"type": "http.response.start", "status": 200, "headers": headers})
+            await send({"type": "http.response.body", "body": b"abc"})
+            return
+        if path == "/hang-up":
+            left = asyncio.Event()
+
+            def client_left() -> None:
+                recorder.note("hook")
+                left.set()
+
+            scope["extensions"][DISCONNECT_HOOK](client_left)
+            watched = await receive()  # waits for the client to leave
+            recorder.note(watched["type"])
+            await asyncio.wait_for(left.wait(), 5)
+            return
+        if path == "/big":
+            headers = [(b"content-length", str(BIG).encode())]
+            await send({"type": "http.response.start", "status": 200, "headers": headers})
+            block = b"x" * 65536
+            for _ in range(BIG // len(block)):
+                began = time.monotonic()
+                await send({"type": "http.response.body", "body": block, "more_body": True})
+                recorder.send_waits.append(time.monotonic() - began)
+            await send({"type": "http.response.body", "body": b""})
+            return
+        answer = b"%s %s %s|%s" % (
+            scope["method"].encode(),
+            scope["path"].encode(),
+            scope["query_string"],
+            body,
+        )
+        headers = [(b"content-type", b"text/plain"), (b"content-length", b"%d" % len(answer))]
+        await send({"type": "http.response.start", "status": 200, "headers": headers})
+        await send({"type": "http.response.body", "body": answer})
+
+    return app
+
+
+class CountedWrites:
+    """Passes everything to the real transport and counts the writes (system calls)."""
+
+    def __init__(self, transport: asyncio.BaseTransport, writes: list[bytes]) -> None:
+        self._transport = transport
+        self._writes = writes
+
+    def write(self, data: bytes) -> None:
+        self._writes.append(bytes(data))
+        self._transport.write(data)  # type: ignore[attr-defined]
+
+    def __getattr__(self, name: str) -> Any:
+        return getattr(self._transport, name)
+
+
+class CountingProtocol(HttpProtocol):
+    writes: list[bytes]
+
+    def connection_made(self, transport: asyncio.BaseTransport) -> None:
+        super().connection_made(CountedWrites(transport, self.writes))  # type: ignore[arg-type]
+
+
+class Served:
+    def __init__(self, port: int, recorder: Recorder, state: ServerState) -> None:
+        self.port = port
+        self.recorder = recorder
+        self.state = state
+        self.writes: list[bytes] = []
+
+    def connect(self) -> http.client.HTTPConnection:
+        return http.client.HTTPConnection(HOST, self.port, timeout=10)
+
+    def raw(self) -> socket.socket:
+        sock = socket.create_connection((HOST, self.port), timeout=10)
+        return sock
+
+
+@pytest.fixture(params=["asyncio", "uvloop"])
+def served(request: pytest.FixtureRequest) -> Iterator[Served]:
+    recorder = Recorder()
+    config = Config(_app(recorder), lifespan="off", timeout_keep_alive=IDLE_SECONDS)
+    config.load()
+    state = ServerState()
+    state.default_headers = [(b"date", b"Wed, 25 Nov 2026 12:00:00 GMT")]
+    # Both loops: uvloop's transports are not asyncio's classes (the proxy serves on uvloop).
+    loop = uvloop.new_event_loop() if request.param == "uvloop" else asyncio.new_event_loop()
+    ready = threading.Event()
+    holder: dict[str, Any] = {}
+
+    writes: list[bytes] = []
+
+    def protocol() -> CountingProtocol:
+        connection = CountingProtocol(config, state, {}, loop)
+        connection.writes = writes
+        return connection
+
+    async def start() -> None:
+        server = await loop.create_server(protocol, HOST, 0, reuse_address=True)
+        holder["server"] = server
+        holder["port"] = server.sockets[0].getsockname()[1]
+        ready.set()
+
+    thread = threading.Thread(target=loop.run_forever, daemon=True)
+    thread.start()
+    asyncio.run_coroutine_threadsafe(start(), loop).result(10)
+    served = Served(holder["port"], recorder, state)
+    served.writes = writes
+    try:
+        yield served
+    finally:
+
+        async def stop() -> None:
+            holder["server"].close()
+            for connection in list(state.connections):
+                connection.shutdown()
+            for task in list(state.tasks):
+                task.cancel()
+            await asyncio.sleep(0)
+
+        asyncio.run_coroutine_threadsafe(stop(), loop).result(10)
+        loop.call_soon_threadsafe(loop.stop)
+        thread.join(10)
+        loop.close()
+
+
+def _read_response(sock: socket.socket, timeout: float = 5.0) -> bytes:
+    """One response with a content-length, read from a raw socket."""
+    sock.settimeout(timeout)
+    data = b""
+    while b"\r\n\r\n" not in data:
+        chunk = sock.recv(65536)
+        if not chunk:
+            return data
+        data += chunk
+    head, _, rest = data.partition(b"\r\n\r\n")
+    length = 0
+    for line in head.split(b"\r\n")[1:]:
+        name, _, value = line.partition(b":")
+        if name.lower() == b"content-length":
+            length = int(value)
+    while len(rest) < length:
+        chunk = sock.recv(65536)
+        if not chunk:
+            break
+        rest += chunk
+    return head + b"\r\n\r\n" + rest
+
+
+def _closed_by_peer(sock: socket.socket, timeout: float) -> bool:
+    sock.settimeout(timeout)
+    try:
+        return sock.recv(1) == b""
+    except TimeoutError:
+        return False
+    except ConnectionResetError:
+        return True
+
+
+def test_keep_alive_serves_many_requests_on_one_connection(served: Served) -> None:
+    connection = served.connect()
+    try:
+        for index in range(5):
+            body = b"payload %d" % index
+            connection.request("POST", f"/echo?n={index}", body=body)
+            response = connection.getresponse()
+            assert response.status == 200
+            assert response.getheader("date") == "Wed, 25 Nov 2026 12:00:00 GMT"
+            assert response.read() == b"POST /echo n=%d|%s" % (index, body)
+    finally:
+        connection.close()
+    assert served.state.total_requests == 5
+
+
+def test_answer_with_known_length_leaves_in_one_segment(served: Served) -> None:
+    sock = served.raw()
+    try:
+        sock.sendall(b"POST /echo HTTP/1.1\r\nHost: x\r\nContent-Length: 2\r\n\r\nhi")
+        answer = _read_response(sock)
+        assert answer.endswith(b"\r\n\r\nPOST /echo |hi")
+        assert served.writes == [answer]  # head and body in one write: one system call
+    finally:
+        sock.close()
+
+
+def test_percent_encoded_path_is_decoded(served: Served) -> None:
+    connection = served.connect()
+    try:
+        connection.request("GET", "/a%20b")
+        assert connection.getresponse().read() == b"GET /a b |"
+    finally:
+        connection.close()
+
+
+def test_chunked_request_body_is_reassembled(served: Served) -> None:
+    connection = served.connect()
+    try:
+        connection.request("POST", "/echo", body=iter([b"ab", b"cd", b"ef"]))
+        response = connection.getresponse()
+        assert response.read() == b"POST /echo |abcdef"
+    finally:
+        connection.close()
+
+
+def test_large_request_body_arrives_intact(served: Served) -> None:
+    body = bytes(range(256)) * 8192  # 2 MiB: reading pauses and resumes on the way
+    connection = served.connect()
+    try:
+        connection.request("POST", "/echo", body=body)
+        answer = connection.getresponse().read()
+        assert answer == b"POST /echo |" + body
+    finally:
+        connection.close()
+
+
+def test_streamed_answer_is_chunked(served: Served) -> None:
+    connection = served.connect()
+    try:
+        connection.request("GET", "/stream")
+        response = connection.getresponse()
+        assert response.getheader("transfer-encoding") == "chunked"
+        assert response.read() == b"".join(b"data: %d\n\n" % index for index in range(5))
+        connection.request("GET", "/echo")  # the connection is still usable
+        assert connection.getresponse().read() == b"GET /echo |"
+    finally:
+        connection.close()
+
+
+def test_head_gets_headers_without_body(served: Served) -> None:
+    sock = served.raw()
+    try:
+        sock.sendall(b"HEAD /echo HTTP/1.1\r\nHost: x\r\n\r\nGET /echo HTTP/1.1\r\nHost: x\r\n\r\n")
+        sock.settimeout(5)
+        data = b""
+        while data.count(b"HTTP/1.1 200") < 2 or not data.endswith(b"GET /echo |"):
+            chunk = sock.recv(65536)
+            assert chunk, data
+            data += chunk
+        head_answer, _, second = data.partition(b"HTTP/1.1 200 OK\r\n")[2].partition(b"HTTP/1.1")
+        assert b"content-length: 12" in head_answer
+        assert head_answer.endswith(b"\r\n\r\n")  # no body after the HEAD's headers
+        assert second.endswith(b"GET /echo |")
+    finally:
+        sock.close()
+
+
+def test_pipelined_requests_are_answered_in_order(served: Served) -> None:
+    sock = served.raw()
+    try:
+        sock.sendall(
+            b"GET /slow HTTP/1.1\r\nHost: x\r\n\r\n"
+            b"POST /echo HTTP/1.1\r\nHost: x\r\nContent-Length: 3\r\n\r\nabc"
+        )
+        sock.settimeout(5)
+        data = b""
+        while not data.endswith(b"|abc"):
+            chunk = sock.recv(65536)
+            assert chunk, data
+            data += chunk
+        # The slow first request is answered first, the second right after it.
+        assert data.count(b"HTTP/1.1 200 OK") == 2
+        assert data.index(b"GET /slow |") < data.index(b"POST /echo |abc")
+    finally:
+        sock.close()
+
+
+def test_expect_100_continue(served: Served) -> None:
+    sock = served.raw()
+    try:
+        sock.sendall(
+            b"POST /echo HTTP/1.1\r\nHost: x\r\nContent-Length: 4\r\nExpect: 100-continue\r\n\r\n"
+        )
+        sock.settimeout(5)
+        interim = b""
+        while not interim.endswith(b"\r\n\r\n"):
+            chunk = sock.recv(1)
+            assert chunk
+            interim += chunk
+        assert interim == b"HTTP/1.1 100 Continue\r\n\r\n"
+        sock.sendall(b"body")
+        assert _read_response(sock).endswith(b"POST /echo |body")
+    finally:
+        sock.close()
+
+
+def test_http_1_0_connection_is_closed_after_the_answer(served: Served) -> None:
+    sock = served.raw()
+    try:
+        sock.sendall(b"GET /echo HTTP/1.0\r\n\r\n")
+        answer = _read_response(sock)
+        assert b"connection: close" in answer.lower()
+        assert _closed_by_peer(sock, 5)
+    finally:
+        sock.close()
+
+
+def test_malformed_request_gets_400_and_close(served: Served) -> None:
+    sock = served.raw()
+    try:
+        sock.sendall(b"GET /echo HTTP/1.1\r\nBad Header Without Colon\r\n\r\n")
+        answer = _read_response(sock)
+        assert answer.startswith(b"HTTP/1.1 400 Bad Request\r\n")
+        assert answer.endswith(b"Invalid HTTP request received.")
+        assert _closed_by_peer(sock, 5)
+    finally:
+        sock.close()
+
+
+def test_idle_connection_is_closed_after_the_keep_alive_timeout(served: Served) -> None:
+    sock = served.raw()
+    try:
+        sock.sendall(b"GET /echo HTTP/1.1\r\nHost: x\r\n\r\n")
+        assert _read_response(sock).endswith(b"GET /echo |")
+        assert not _closed_by_peer(sock, IDLE_SECONDS / 5)  # still open right after
+        assert _closed_by_peer(sock, IDLE_SECONDS * 6)
+    finally:
+        sock.close()
+
+
+def test_application_error_before_answer_is_500(served: Served) -> None:
+    connection = served.connect()
+    try:
+        connection.request("GET", "/boom")
+        response = connection.getresponse()
+        assert response.status == 500
+        assert response.read() == b"Internal Server Error"
+        assert response.getheader("connection") == "close"
+    finally:
+        connection.close()
+
+
+def test_application_error_mid_answer_closes_the_connection(served: Served) -> None:
+    connection = served.connect()
+    try:
+        connection.request("GET", "/late-boom")
+        response = connection.getresponse()
+        assert response.status == 200
+        with pytest.raises(http.client.IncompleteRead):
+            response.read()  # no final chunk: the client can tell the answer is cut
+    finally:
+        connection.close()
+
+
+def test_forged_header_value_is_refused(served: Served) -> None:
+    sock = served.raw()
+    try:
+        sock.sendall(b"GET /forged-header HTTP/1.1\r\nHost: x\r\n\r\n")
+        answer = _read_response(sock)
+        assert answer.startswith(b"HTTP/1.1 500 ")
+        assert b"stolen" not in answer
+    finally:
+        sock.close()
+
+
+def test_body_shorter_than_its_length_closes_the_connection(served: Served) -> None:
+    sock = served.raw()
+    try:
+        sock.sendall(b"GET /short HTTP/1.1\r\nHost: x\r\n\r\n")
+        sock.settimeout(5)
+        data = b""
+        while True:
+            chunk = sock.recv(65536)
+            if not chunk:
+                break
+            data += chunk
+        # Never a complete 10-byte body: the client cannot mistake it for a whole answer.
+        assert len(data.partition(b"\r\n\r\n")[2]) < 10
+    finally:
+        sock.close()
+
+
+def test_client_leaving_calls_the_hook_and_ends_receive(served: Served) -> None:
+    sock = served.raw()
+    sock.sendall(b"GET /hang-up HTTP/1.1\r\nHost: x\r\n\r\n")
+    time.sleep(0.2)
+    sock.close()
+    assert served.recorder.wait_for("hook")
+    assert served.recorder.wait_for("http.disconnect")
+
+
+def test_slow_reader_holds_the_writer_back(served: Served) -> None:
+    sock = served.raw()
+    try:
+        sock.setsockopt(socket.SOL_SOCKET, socket.SO_RCVBUF, 65536)
+        sock.sendall(b"GET /big HTTP/1.1\r\nHost: x\r\n\r\n")
+        time.sleep(0.5)  # not reading: the server's buffers fill and send() must wait
+        answer = _read_response(sock, timeout=20)
+        assert len(answer.partition(b"\r\n\r\n")[2]) == BIG
+        assert max(served.recorder.send_waits) >= 0.2
+    finally:
+        sock.close()
