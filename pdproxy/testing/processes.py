@@ -49,6 +49,9 @@ def free_port_run(count: int, attempts: int = 200) -> int:
             try:
                 for port in range(base, base + count):
                     sock = held.enter_context(socket.socket(socket.AF_INET, socket.SOCK_STREAM))
+                    # As the servers bind: connections in TIME_WAIT (thousands after a
+                    # benchmark) hold their ports against a plain bind, not against them.
+                    sock.setsockopt(socket.SOL_SOCKET, socket.SO_REUSEADDR, 1)
                     sock.bind((LOOPBACK, port))
             except OSError:
                 continue
