@@ -52,7 +52,8 @@ READ_HIGH_WATER = 65536
 _NOT_TOKEN = re.compile(rb"[^!#$%&'*+\-.^_`|~0-9A-Za-z]")
 _CONTINUE = b"HTTP/1.1 100 Continue\r\n\r\n"
 _LAST_CHUNK = b"0\r\n\r\n"
-_DISCONNECT: Message = {"type": "http.disconnect"}
+# Control characters other than the CR LF that end each line (tab is allowed in values).
+_CONTROL = re.compile(rb"[\x00-\x08\x0b\x0c\x0e-\x1f\x7f]")
 
 
 def _status_lines() -> Mapping[int, bytes]:
@@ -81,6 +82,11 @@ class HttpProtocol(asyncio.Protocol):
     ) -> None:
         if not config.loaded:
             config.load()
+        # What uvicorn's own protocol would honour and this one does not: refuse, not ignore.
+        if config.is_ssl or config.root_path or config.limit_concurrency is not None:
+            raise ValueError(
+                "pdproxy's HTTP protocol serves plain HTTP without root_path or limit_concurrency"
+            )
         self._app = config.loaded_app
         self._loop = _loop or asyncio.get_event_loop()
         self._server_state = server_state
@@ -95,7 +101,7 @@ class HttpProtocol(asyncio.Protocol):
         self._idle_timer: asyncio.TimerHandle | None = None
         self._read_paused = False
         self.write_paused = False
-        self._writable: asyncio.Future[None] | None = None
+        self._write_waiters: list[asyncio.Future[None]] = []
         self._cycle: _Cycle | None = None  # the request being answered
         self._pipeline: deque[_Cycle] = deque()  # requests parsed while it is
         # The request being parsed.
@@ -112,19 +118,25 @@ class HttpProtocol(asyncio.Protocol):
         self.transport = cast(asyncio.Transport, transport)
         self._server = _address(transport.get_extra_info("sockname"))
         self._client = _address(transport.get_extra_info("peername"))
+        self._arm_idle_timer()  # a connection that never sends a request is not kept forever
 
     def connection_lost(self, exc: Exception | None) -> None:
         self._server_state.connections.discard(self)
         self._cancel_idle_timer()
+        self.write_paused = False
+        self._wake_writers()
         cycle = self._cycle
         if cycle is not None:
             cycle.client_left()
-        self._wake_writers()
+        self._parsing = None
+        self._pipeline.clear()
         if exc is None and self.transport is not None:
             self.transport.close()
 
     def eof_received(self) -> bool | None:
-        return None  # close once the answers in flight are written
+        # A client that half-closes is taken as gone (as uvicorn does): the transport closes,
+        # and an answer in flight is dropped.
+        return None
 
     def data_received(self, data: bytes) -> None:
         self._cancel_idle_timer()
@@ -135,6 +147,11 @@ class HttpProtocol(asyncio.Protocol):
         except httptools.HttpParserError as exc:
             log.warning("invalid HTTP request received: %s", exc)
             self._refuse_malformed()
+            return
+        if self._cycle is None:
+            # Between requests (a partial request, or a body trickling in after an early
+            # answer): still bounded by the idle timeout.
+            self._arm_idle_timer()
 
     def pause_writing(self) -> None:
         self.write_paused = True
@@ -182,8 +199,10 @@ class HttpProtocol(asyncio.Protocol):
             "headers": self._headers,
             "state": self._app_state.copy(),
         }
-        keep_alive = version != "1.0" and parser.should_keep_alive()
-        cycle = _Cycle(self, scope, keep_alive, self._expect_continue)
+        old_client = version == "1.0"
+        keep_alive = not old_client and parser.should_keep_alive()
+        # HTTP/1.0 knows neither 100 Continue nor chunked bodies (RFC 9110 10.1.1, 9112 6.1).
+        cycle = _Cycle(self, scope, keep_alive, self._expect_continue and not old_client)
         scope["extensions"] = {DISCONNECT_HOOK: cycle.on_disconnect}
         self._parsing = cycle
         if self._cycle is None:
@@ -232,17 +251,29 @@ class HttpProtocol(asyncio.Protocol):
         return self._server_state.default_headers
 
     async def writable(self) -> None:
-        if self._writable is None:
-            self._writable = self._loop.create_future()
-        await self._writable
+        """Until the transport takes writes again (or the connection is gone)."""
+        transport = self.transport
+        if not self.write_paused or transport is None or transport.is_closing():
+            return
+        # One future per waiter: cancelling one waiter must not cancel the others' wait.
+        waiter = self._loop.create_future()
+        self._write_waiters.append(waiter)
+        try:
+            await waiter
+        finally:
+            if waiter in self._write_waiters:
+                self._write_waiters.remove(waiter)
 
     def resume_reading(self) -> None:
         if self._read_paused and self.transport is not None:
             self._read_paused = False
             self.transport.resume_reading()
 
-    def wait(self) -> asyncio.Future[None]:
+    def new_future(self) -> asyncio.Future[None]:
         return self._loop.create_future()
+
+    def call_soon(self, callback: Callable[..., None], *args: Any) -> None:
+        self._loop.call_soon(callback, *args)
 
     def answered(self, cycle: _Cycle) -> None:
         """The response of `cycle` is complete: serve the next pipelined request, or idle."""
@@ -256,8 +287,7 @@ class HttpProtocol(asyncio.Protocol):
         if self._pipeline:
             self._start(self._pipeline.popleft())
         else:
-            self._cancel_idle_timer()
-            self._idle_timer = self._loop.call_later(self._idle_seconds, self._close_idle)
+            self._arm_idle_timer()
 
     # -- internals ---------------------------------------------------------------------------
 
@@ -274,9 +304,14 @@ class HttpProtocol(asyncio.Protocol):
             self.transport.pause_reading()
 
     def _wake_writers(self) -> None:
-        waiter, self._writable = self._writable, None
-        if waiter is not None and not waiter.done():
-            waiter.set_result(None)
+        waiters, self._write_waiters = self._write_waiters, []
+        for waiter in waiters:
+            if not waiter.done():
+                waiter.set_result(None)
+
+    def _arm_idle_timer(self) -> None:
+        self._cancel_idle_timer()
+        self._idle_timer = self._loop.call_later(self._idle_seconds, self._close_idle)
 
     def _cancel_idle_timer(self) -> None:
         if self._idle_timer is not None:
@@ -319,7 +354,8 @@ class _Cycle:
         "_on_disconnect",
         "_remaining",
         "_transport",
-        "_waiter",
+        "_until_close",
+        "_waiters",
         "body",
         "complete",
         "disconnected",
@@ -341,12 +377,13 @@ class _Cycle:
         self.body = bytearray()
         self.more_body = True
         self._body_given = False  # the last body message went to the application
-        self._waiter: asyncio.Future[None] | None = None
+        self._waiters: list[asyncio.Future[None]] = []
         self.disconnected = False
         self._on_disconnect: Callable[[], None] | None = None
         self.started = False
         self.complete = False
         self._chunked = False
+        self._until_close = False  # an HTTP/1.0 stream: the body ends when the connection does
         self._remaining = 0  # body bytes still due by the declared content-length
         self._head: bytes | None = None  # status line and headers, not yet written
         self._head_only = scope["method"] == "HEAD"
@@ -354,12 +391,13 @@ class _Cycle:
     async def run(self, app: Any) -> None:
         try:
             await app(self.scope, self.receive, self.send)
-        except asyncio.CancelledError:  # the server's shutdown gave up waiting for it
-            self._abort()
-            raise
-        except Exception as exc:
-            log.error("unhandled error in the ASGI application", exc_info=exc)
-            self._abort()
+        except BaseException as exc:
+            if not isinstance(exc, asyncio.CancelledError):  # the server's shutdown gave up
+                log.error("unhandled error in the ASGI application", exc_info=exc)
+            if not self.complete:
+                self._abort()
+            if not isinstance(exc, Exception):
+                raise
         else:
             if not self.started and not self.disconnected:
                 log.error("the ASGI application returned without starting a response")
@@ -373,20 +411,39 @@ class _Cycle:
     # -- the client side ---------------------------------------------------------------------
 
     def wake(self) -> None:
-        waiter, self._waiter = self._waiter, None
-        if waiter is not None and not waiter.done():
-            waiter.set_result(None)
+        waiters, self._waiters = self._waiters, []
+        for waiter in waiters:
+            if not waiter.done():
+                waiter.set_result(None)
 
     def client_left(self) -> None:
-        if not self.complete:
-            self.disconnected = True
-            callback, self._on_disconnect = self._on_disconnect, None
-            if callback is not None:
-                callback()
+        if self.complete:
+            self.wake()
+            return
+        self.disconnected = True
         self.wake()
+        callback, self._on_disconnect = self._on_disconnect, None
+        if callback is not None:
+            self._call(callback)
 
     def on_disconnect(self, callback: Callable[[], None]) -> None:
+        """DISCONNECT_HOOK: `callback()` once if the client leaves before the answer is
+        complete; soon, if it already has."""
+        if self.complete:
+            return
+        if self.disconnected:
+            self._conn.call_soon(self._call, callback)
+            return
         self._on_disconnect = callback
+        # Reading must go on for the hang-up to be seen (it pauses behind a large body).
+        self._conn.resume_reading()
+
+    @staticmethod
+    def _call(callback: Callable[[], None]) -> None:
+        try:
+            callback()
+        except Exception:
+            log.exception("a disconnect callback failed")
 
     async def receive(self) -> Message:
         if self._continue:
@@ -397,14 +454,17 @@ class _Cycle:
             self._body_given or (self.more_body and not self.body)
         ):
             self._conn.resume_reading()
-            self._waiter = self._conn.wait()
-            await self._waiter
+            waiter = self._conn.new_future()
+            self._waiters.append(waiter)
+            await waiter
         if self.disconnected or self.complete:
-            return _DISCONNECT
+            return {"type": "http.disconnect"}
         body = bytes(self.body)
         self.body.clear()
         if not self.more_body:
             self._body_given = True
+            # The whole body is taken: go on reading, so that a hang-up is seen.
+            self._conn.resume_reading()
         return {"type": "http.request", "body": body, "more_body": self.more_body}
 
     # -- the response ------------------------------------------------------------------------
@@ -427,58 +487,77 @@ class _Cycle:
         self._body(message.get("body", b""), message.get("more_body", False))
 
     def _start(self, status: int, headers: Any) -> None:
-        self._continue = False
-        self._chunked = False
         conn = self._conn
         lines = [conn.status_line(status)]
         names = []
         length: int | None = None
+        chunked = has_close = False
         for name, value in conn.default_headers:
             lines.append(b"%s: %s\r\n" % (name, value))
         for raw_name, value in headers:
             name = raw_name.lower()
+            if not name:
+                raise RuntimeError("empty HTTP header name")
             names.append(name)
             if name == b"content-length":
+                if not value.isdigit():
+                    raise RuntimeError(f"invalid content-length {value!r}")
                 length = int(value)
             elif name == b"transfer-encoding":
-                self._chunked = b"chunked" in value.lower()
-            elif name == b"connection" and b"close" in value.lower():
+                chunked = b"chunked" in value.lower()
+            elif name == b"connection":
+                if b"close" not in value.lower():
+                    continue  # keeping the connection is the server's call, not a header's
+                has_close = True
                 self.keep_alive = False
             lines.append(b"%s: %s\r\n" % (name, value))
         if _NOT_TOKEN.search(b"".join(names)):
             raise RuntimeError("invalid HTTP header name")
-        if not self.keep_alive and b"connection" not in names:
+        if chunked and length is not None:
+            raise RuntimeError("a response cannot have both content-length and chunked encoding")
+        if length is None and not chunked and not self._head_only and status not in (204, 304):
+            if self.scope["http_version"] == "1.0":
+                self._until_close = True  # no chunked encoding before HTTP/1.1
+                self.keep_alive = False
+            else:
+                chunked = True
+                lines.append(b"transfer-encoding: chunked\r\n")
+        if not self.keep_alive and not has_close:
             lines.append(b"connection: close\r\n")
-        if length is not None and not self._chunked:
-            self._remaining = length
-        elif not self._chunked and not self._head_only and status not in (204, 304):
-            self._chunked = True
-            lines.append(b"transfer-encoding: chunked\r\n")
         lines.append(b"\r\n")
         head = b"".join(lines)
-        # Each line ends in the one CRLF put there: a CR, LF or NUL inside a value would let a
-        # value forge headers of its own.
-        if head.count(b"\n") != len(lines) or head.count(b"\r") != len(lines) or b"\0" in head:
+        # Each line ends in the one CRLF put there, and nothing else is a control character:
+        # a value with CR, LF or NUL could forge headers of its own.
+        if head.count(b"\n") != len(lines) or head.count(b"\r") != len(lines):
+            raise RuntimeError("invalid HTTP header value")
+        if _CONTROL.search(head):
             raise RuntimeError("invalid HTTP header value")
         self.started = True
-        if self._chunked:
+        self._chunked = chunked
+        self._remaining = length or 0
+        if chunked or self._until_close or self._continue:
             # A stream: its head goes out now, the client may wait long for the first chunk.
+            # So does any head while the client waits for 100 Continue before its body.
             self._transport.write(head)
         else:
             self._head = head  # goes out with the body, in the same write
+        self._continue = False
 
     def _body(self, body: bytes, more_body: bool) -> None:
-        head, self._head = self._head, None
         if self._head_only:
-            out = head or b""
+            out = self._head or b""
+            self._head = None
         elif self._chunked:
             out = b"%x\r\n%s\r\n" % (len(body), body) if body else b""
             if not more_body:
                 out += _LAST_CHUNK
+        elif self._until_close:
+            out = body
         else:
             if len(body) > self._remaining:
                 raise RuntimeError("response body longer than its content-length")
             self._remaining -= len(body)
+            head, self._head = self._head, None
             out = head + body if head is not None else body
         if out:
             self._transport.write(out)
@@ -501,6 +580,7 @@ class _Cycle:
             self._transport.close()
             return
         self.keep_alive = False
+        self._continue = False
         headers = ((b"content-type", b"text/plain; charset=utf-8"), (b"content-length", b"21"))
         self._start(500, headers)
         self._body(b"Internal Server Error", more_body=False)

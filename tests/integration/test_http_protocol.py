@@ -27,6 +27,10 @@ IDLE_SECONDS = 1
 BIG = 8 * 1024 * 1024
 
 
+class Fatal(BaseException):
+    """Not an Exception: what a task may still end with (GeneratorExit, exception groups)."""
+
+
 class Recorder:
     """What the application saw, for the tests to assert on."""
 
@@ -69,7 +73,38 @@ def _app(recorder: Recorder) -> Any:
             await asyncio.sleep(0.2)
         if path == "/boom":
             raise ValueError("the application failed before answering")
+        if path == "/fatal":
+            raise Fatal("not an Exception")
+        if path == "/start-then-read":
+            headers = [(b"content-length", b"7")]
+            await send({"type": "http.response.start", "status": 200, "headers": headers})
+            body = await _read_all(receive)
+            await send({"type": "http.response.body", "body": b"got " + body[:3]})
+            return
         body = await _read_all(receive)
+        if path == "/stuck-send":
+            await send({"type": "http.response.start", "status": 200, "headers": []})
+            block = b"x" * 65536
+            try:
+                async with asyncio.timeout(0.5):
+                    while True:  # the client does not read: some send must wait, then time out
+                        await send({"type": "http.response.body", "body": block, "more_body": True})
+            except TimeoutError:
+                recorder.note("send timed out")
+            await send({"type": "http.response.body", "body": b"end", "more_body": False})
+            recorder.note("ended")
+            return
+        if path == "/two-listeners":
+            first, second = await asyncio.wait_for(asyncio.gather(receive(), receive()), 5)
+            recorder.note(f"{first['type']} {second['type']}")
+            return
+        if path in ("/control-header", "/signed-length"):
+            name, value = (
+                (b"x-bad", b"a\x0bb") if path == "/control-header" else (b"content-length", b"+2")
+            )
+            await send({"type": "http.response.start", "status": 200, "headers": [(name, value)]})
+            await send({"type": "http.response.body", "body": b"ok"})
+            return
         if path == "/stream":
             await send({"type": "http.response.start", "status": 200, "headers": []})
             for index in range(5):
@@ -89,6 +124,16 @@ def _app(recorder: Recorder) -> Any:
             headers = [(b"content-length", b"10")]
             await send({"type": "http.response.start", "status": 200, "headers": headers})
             await send({"type": "http.response.body", "body": b"abc"})
+            return
+        if path == "/hook-only":  # as pdproxy's endpoint: the hook, and no receive() waiting
+            gone = asyncio.Event()
+
+            def hung_up() -> None:
+                recorder.note("hook only")
+                gone.set()
+
+            scope["extensions"][DISCONNECT_HOOK](hung_up)
+            await asyncio.wait_for(gone.wait(), 5)
             return
         if path == "/hang-up":
             left = asyncio.Event()
@@ -255,6 +300,10 @@ def test_keep_alive_serves_many_requests_on_one_connection(served: Served) -> No
             assert response.read() == b"POST /echo n=%d|%s" % (index, body)
     finally:
         connection.close()
+    # Counted on the server's thread just after the last write: the client may be quicker.
+    deadline = time.monotonic() + 5
+    while served.state.total_requests < 5 and time.monotonic() < deadline:
+        time.sleep(0.01)
     assert served.state.total_requests == 5
 
 
@@ -473,5 +522,119 @@ def test_slow_reader_holds_the_writer_back(served: Served) -> None:
         answer = _read_response(sock, timeout=20)
         assert len(answer.partition(b"\r\n\r\n")[2]) == BIG
         assert max(served.recorder.send_waits) >= 0.2
+    finally:
+        sock.close()
+
+
+def test_hang_up_after_a_large_body_is_seen(served: Served) -> None:
+    # Reading pauses behind a large body; it must resume once the body is taken, or the
+    # client's hang-up would go unseen (and its upstream work would go on).
+    body = b"y" * 300_000
+    sock = served.raw()
+    sock.sendall(b"POST /hook-only HTTP/1.1\r\nHost: x\r\nContent-Length: %d\r\n\r\n" % len(body))
+    sock.sendall(body)
+    time.sleep(0.3)
+    sock.close()
+    assert served.recorder.wait_for("hook only")
+
+
+def test_a_send_cancelled_by_a_timeout_does_not_break_the_next_one(served: Served) -> None:
+    sock = served.raw()
+    try:
+        sock.setsockopt(socket.SOL_SOCKET, socket.SO_RCVBUF, 65536)
+        sock.sendall(b"GET /stuck-send HTTP/1.1\r\nHost: x\r\n\r\n")
+        assert served.recorder.wait_for("send timed out", timeout=10)
+        sock.settimeout(20)
+        data = b""
+        while not data.endswith(b"3\r\nend\r\n0\r\n\r\n"):
+            chunk = sock.recv(1 << 20)
+            assert chunk, "the connection was cut before the stream's last chunk"
+            data += chunk
+        assert served.recorder.wait_for("ended")
+    finally:
+        sock.close()
+
+
+def test_every_receive_waiting_sees_the_disconnect(served: Served) -> None:
+    sock = served.raw()
+    sock.sendall(b"GET /two-listeners HTTP/1.1\r\nHost: x\r\n\r\n")
+    time.sleep(0.2)
+    sock.close()
+    assert served.recorder.wait_for("http.disconnect http.disconnect")
+
+
+def test_base_exception_from_the_application_still_answers(served: Served) -> None:
+    sock = served.raw()
+    try:
+        sock.sendall(b"GET /fatal HTTP/1.1\r\nHost: x\r\n\r\n")
+        answer = _read_response(sock)
+        assert answer.startswith(b"HTTP/1.1 500 ")
+        assert _closed_by_peer(sock, 5)
+    finally:
+        sock.close()
+
+
+def test_head_sent_before_the_body_is_read_reaches_a_100_continue_client(served: Served) -> None:
+    sock = served.raw()
+    try:
+        sock.sendall(
+            b"POST /start-then-read HTTP/1.1\r\nHost: x\r\nContent-Length: 5\r\n"
+            b"Expect: 100-continue\r\n\r\n"
+        )
+        sock.settimeout(3)
+        head = b""
+        while not head.endswith(b"\r\n\r\n"):
+            chunk = sock.recv(1)
+            assert chunk
+            head += chunk
+        assert head.startswith(b"HTTP/1.1 200 OK\r\n")  # at once, not after the body
+        sock.sendall(b"hello")
+        rest = b""
+        while len(rest) < 7:
+            chunk = sock.recv(64)
+            assert chunk
+            rest += chunk
+        assert rest == b"got hel"
+    finally:
+        sock.close()
+
+
+def test_connection_without_a_whole_request_is_closed_when_idle(served: Served) -> None:
+    silent, partial = served.raw(), served.raw()
+    try:
+        partial.sendall(b"GET /echo HTTP/1.1\r\nHost: x\r\n")  # headers never finished
+        assert _closed_by_peer(silent, IDLE_SECONDS * 6)
+        assert _closed_by_peer(partial, IDLE_SECONDS * 6)
+    finally:
+        silent.close()
+        partial.close()
+
+
+def test_http_1_0_stream_ends_with_the_connection(served: Served) -> None:
+    sock = served.raw()
+    try:
+        sock.sendall(b"GET /stream HTTP/1.0\r\n\r\n")
+        sock.settimeout(5)
+        data = b""
+        while chunk := sock.recv(65536):
+            data += chunk
+        head, _, body = data.partition(b"\r\n\r\n")
+        assert b"transfer-encoding" not in head.lower()  # HTTP/1.0 has no chunked encoding
+        assert b"connection: close" in head.lower()
+        assert body == b"".join(b"data: %d\n\n" % index for index in range(5))
+    finally:
+        sock.close()
+
+
+@pytest.mark.parametrize("path", ["/control-header", "/signed-length"])
+def test_header_with_a_control_character_or_a_signed_length_is_refused(
+    served: Served, path: str
+) -> None:
+    sock = served.raw()
+    try:
+        sock.sendall(b"GET %s HTTP/1.1\r\nHost: x\r\n\r\n" % path.encode())
+        answer = _read_response(sock)
+        assert answer.startswith(b"HTTP/1.1 500 ")
+        assert b"x-bad" not in answer and b"+2" not in answer
     finally:
         sock.close()
