@@ -297,13 +297,14 @@ class Settings(BaseModel):
     max_inflight_requests: int = Field(
         10000,
         ge=1,
-        description="Completion requests served at once; more wait in a bounded queue.",
+        description="Completion requests served at once; more wait in a bounded queue "
+        "(with several workers: per worker).",
     )
     max_queued_requests: int = Field(
         1000,
         ge=0,
         description="Requests waiting for a slot (proxy-wide or on a full instance); beyond "
-        "it 429 with Retry-After.",
+        "it 429 with Retry-After. With several workers: per worker.",
     )
     queue_timeout: float = Field(
         10.0,
@@ -314,7 +315,7 @@ class Settings(BaseModel):
         0,
         ge=0,
         description="Legs in flight on one instance before it is passed over (requests then "
-        "wait in the queue for one to free up); 0: no cap.",
+        "wait in the queue for one to free up); 0: no cap. With several workers: per worker.",
     )
     drain_seconds: float = Field(
         30.0,
