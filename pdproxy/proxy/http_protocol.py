@@ -305,9 +305,7 @@ class HttpProtocol(asyncio.Protocol):
 
     def _wake_writers(self) -> None:
         waiters, self._write_waiters = self._write_waiters, []
-        for waiter in waiters:
-            if not waiter.done():
-                waiter.set_result(None)
+        _release(waiters)
 
     def _arm_idle_timer(self) -> None:
         self._cancel_idle_timer()
@@ -412,9 +410,7 @@ class _Cycle:
 
     def wake(self) -> None:
         waiters, self._waiters = self._waiters, []
-        for waiter in waiters:
-            if not waiter.done():
-                waiter.set_result(None)
+        _release(waiters)
 
     def client_left(self) -> None:
         if self.complete:
@@ -584,6 +580,12 @@ class _Cycle:
         headers = ((b"content-type", b"text/plain; charset=utf-8"), (b"content-length", b"21"))
         self._start(500, headers)
         self._body(b"Internal Server Error", more_body=False)
+
+
+def _release(waiters: list[asyncio.Future[None]]) -> None:
+    for waiter in waiters:
+        if not waiter.done():
+            waiter.set_result(None)
 
 
 def _address(info: Any) -> tuple[str, int] | None:

@@ -21,6 +21,7 @@ from uvicorn.config import Config
 from uvicorn.server import ServerState
 
 from pdproxy.proxy.http_protocol import DISCONNECT_HOOK, HttpProtocol
+from tests.integration.support import read_until
 
 HOST = "127.0.0.1"
 IDLE_SECONDS = 1
@@ -278,6 +279,14 @@ def _read_response(sock: socket.socket, timeout: float = 5.0) -> bytes:
     return head + b"\r\n\r\n" + rest
 
 
+def _read_to_close(sock: socket.socket, timeout: float = 5.0) -> bytes:
+    sock.settimeout(timeout)
+    data = b""
+    while chunk := sock.recv(65536):
+        data += chunk
+    return data
+
+
 def _closed_by_peer(sock: socket.socket, timeout: float) -> bool:
     sock.settimeout(timeout)
     try:
@@ -386,12 +395,7 @@ def test_pipelined_requests_are_answered_in_order(served: Served) -> None:
             b"GET /slow HTTP/1.1\r\nHost: x\r\n\r\n"
             b"POST /echo HTTP/1.1\r\nHost: x\r\nContent-Length: 3\r\n\r\nabc"
         )
-        sock.settimeout(5)
-        data = b""
-        while not data.endswith(b"|abc"):
-            chunk = sock.recv(65536)
-            assert chunk, data
-            data += chunk
+        data = read_until(sock, b"|abc", 5)
         # The slow first request is answered first, the second right after it.
         assert data.count(b"HTTP/1.1 200 OK") == 2
         assert data.index(b"GET /slow |") < data.index(b"POST /echo |abc")
@@ -405,13 +409,7 @@ def test_expect_100_continue(served: Served) -> None:
         sock.sendall(
             b"POST /echo HTTP/1.1\r\nHost: x\r\nContent-Length: 4\r\nExpect: 100-continue\r\n\r\n"
         )
-        sock.settimeout(5)
-        interim = b""
-        while not interim.endswith(b"\r\n\r\n"):
-            chunk = sock.recv(1)
-            assert chunk
-            interim += chunk
-        assert interim == b"HTTP/1.1 100 Continue\r\n\r\n"
+        assert read_until(sock, b"\r\n\r\n", 5) == b"HTTP/1.1 100 Continue\r\n\r\n"
         sock.sendall(b"body")
         assert _read_response(sock).endswith(b"POST /echo |body")
     finally:
@@ -491,13 +489,7 @@ def test_body_shorter_than_its_length_closes_the_connection(served: Served) -> N
     sock = served.raw()
     try:
         sock.sendall(b"GET /short HTTP/1.1\r\nHost: x\r\n\r\n")
-        sock.settimeout(5)
-        data = b""
-        while True:
-            chunk = sock.recv(65536)
-            if not chunk:
-                break
-            data += chunk
+        data = _read_to_close(sock)
         # Never a complete 10-byte body: the client cannot mistake it for a whole answer.
         assert len(data.partition(b"\r\n\r\n")[2]) < 10
     finally:
@@ -544,12 +536,8 @@ def test_a_send_cancelled_by_a_timeout_does_not_break_the_next_one(served: Serve
         sock.setsockopt(socket.SOL_SOCKET, socket.SO_RCVBUF, 65536)
         sock.sendall(b"GET /stuck-send HTTP/1.1\r\nHost: x\r\n\r\n")
         assert served.recorder.wait_for("send timed out", timeout=10)
-        sock.settimeout(20)
-        data = b""
-        while not data.endswith(b"3\r\nend\r\n0\r\n\r\n"):
-            chunk = sock.recv(1 << 20)
-            assert chunk, "the connection was cut before the stream's last chunk"
-            data += chunk
+        data = read_until(sock, b"3\r\nend\r\n0\r\n\r\n", 20)
+        assert data.endswith(b"3\r\nend\r\n0\r\n\r\n"), "the stream was cut before its end"
         assert served.recorder.wait_for("ended")
     finally:
         sock.close()
@@ -581,20 +569,11 @@ def test_head_sent_before_the_body_is_read_reaches_a_100_continue_client(served:
             b"POST /start-then-read HTTP/1.1\r\nHost: x\r\nContent-Length: 5\r\n"
             b"Expect: 100-continue\r\n\r\n"
         )
-        sock.settimeout(3)
-        head = b""
-        while not head.endswith(b"\r\n\r\n"):
-            chunk = sock.recv(1)
-            assert chunk
-            head += chunk
+        head = read_until(sock, b"\r\n\r\n", 3)
         assert head.startswith(b"HTTP/1.1 200 OK\r\n")  # at once, not after the body
+        assert head.endswith(b"\r\n\r\n")
         sock.sendall(b"hello")
-        rest = b""
-        while len(rest) < 7:
-            chunk = sock.recv(64)
-            assert chunk
-            rest += chunk
-        assert rest == b"got hel"
+        assert read_until(sock, b"got hel", 5) == b"got hel"
     finally:
         sock.close()
 
@@ -614,10 +593,7 @@ def test_http_1_0_stream_ends_with_the_connection(served: Served) -> None:
     sock = served.raw()
     try:
         sock.sendall(b"GET /stream HTTP/1.0\r\n\r\n")
-        sock.settimeout(5)
-        data = b""
-        while chunk := sock.recv(65536):
-            data += chunk
+        data = _read_to_close(sock)
         head, _, body = data.partition(b"\r\n\r\n")
         assert b"transfer-encoding" not in head.lower()  # HTTP/1.0 has no chunked encoding
         assert b"connection: close" in head.lower()
