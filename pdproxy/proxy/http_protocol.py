@@ -47,6 +47,12 @@ DISCONNECT_HOOK = "pdproxy.on_disconnect"
 
 # Past this much unread request body, reading pauses until the application takes it.
 READ_HIGH_WATER = 65536
+# Requests parsed ahead while an earlier one is answered; a client pipelining more is cut off
+# (one read can carry thousands of small requests).
+MAX_PIPELINED = 16
+# A request line and headers larger than this are refused (400), as is a head still
+# incomplete one idle timeout after it began.
+MAX_HEAD_BYTES = 65536
 
 # A response header name is a token (RFC 9110); checked on all names at once.
 _NOT_TOKEN = re.compile(rb"[^!#$%&'*+\-.^_`|~0-9A-Za-z]")
@@ -108,6 +114,8 @@ class HttpProtocol(asyncio.Protocol):
         self._url = b""
         self._headers: list[tuple[bytes, bytes]] = []
         self._expect_continue = False
+        self._head_bytes = 0
+        self._head_began: float | None = None  # loop time a head began; None once complete
         self._parsing: _Cycle | None = None
 
     # -- asyncio.Protocol --------------------------------------------------------------------
@@ -150,8 +158,12 @@ class HttpProtocol(asyncio.Protocol):
             return
         if self._cycle is None:
             # Between requests (a partial request, or a body trickling in after an early
-            # answer): still bounded by the idle timeout.
-            self._arm_idle_timer()
+            # answer): still bounded by the idle timeout; a head by one timeout in all.
+            began = self._head_began
+            left = float(self._idle_seconds)
+            if began is not None:
+                left -= self._loop.time() - began
+            self._arm_idle_timer(max(0.0, left))
 
     def pause_writing(self) -> None:
         self.write_paused = True
@@ -166,17 +178,28 @@ class HttpProtocol(asyncio.Protocol):
         self._url = b""
         self._headers = []
         self._expect_continue = False
+        self._head_bytes = 0
+        self._head_began = self._loop.time()
 
     def on_url(self, url: bytes) -> None:
         self._url += url
+        self._count_head(len(url))
 
     def on_header(self, name: bytes, value: bytes) -> None:
+        self._count_head(len(name) + len(value))
         name = name.lower()
         if name == b"expect" and value.lower() == b"100-continue":
             self._expect_continue = True
         self._headers.append((name, value))
 
+    def _count_head(self, size: int) -> None:
+        self._head_bytes += size
+        if self._head_bytes > MAX_HEAD_BYTES:
+            # Raised inside a parser callback: the parser fails, and the request gets a 400.
+            raise ValueError(f"request head larger than {MAX_HEAD_BYTES} bytes")
+
     def on_headers_complete(self) -> None:
+        self._head_began = None
         parser = self._parser
         version = parser.get_http_version()
         url = httptools.parse_url(self._url)
@@ -208,6 +231,8 @@ class HttpProtocol(asyncio.Protocol):
         if self._cycle is None:
             self._start(cycle)
         else:  # pipelined: answered in order, and no more is read until it is its turn
+            if len(self._pipeline) >= MAX_PIPELINED:
+                raise ValueError(f"more than {MAX_PIPELINED} requests pipelined")
             self._pause_reading()
             self._pipeline.append(cycle)
 
@@ -265,7 +290,9 @@ class HttpProtocol(asyncio.Protocol):
                 self._write_waiters.remove(waiter)
 
     def resume_reading(self) -> None:
-        if self._read_paused and self.transport is not None:
+        """Read again, unless requests are queued behind the one answered: then reading
+        waits for the queue to empty, which bounds it."""
+        if self._read_paused and not self._pipeline and self.transport is not None:
             self._read_paused = False
             self.transport.resume_reading()
 
@@ -283,10 +310,11 @@ class HttpProtocol(asyncio.Protocol):
         transport = self.transport
         if transport is None or transport.is_closing():
             return
-        self.resume_reading()
         if self._pipeline:
             self._start(self._pipeline.popleft())
+            self.resume_reading()
         else:
+            self.resume_reading()
             self._arm_idle_timer()
 
     # -- internals ---------------------------------------------------------------------------
@@ -307,9 +335,10 @@ class HttpProtocol(asyncio.Protocol):
         waiters, self._write_waiters = self._write_waiters, []
         _release(waiters)
 
-    def _arm_idle_timer(self) -> None:
+    def _arm_idle_timer(self, delay: float | None = None) -> None:
         self._cancel_idle_timer()
-        self._idle_timer = self._loop.call_later(self._idle_seconds, self._close_idle)
+        seconds = self._idle_seconds if delay is None else delay
+        self._idle_timer = self._loop.call_later(seconds, self._close_idle)
 
     def _cancel_idle_timer(self) -> None:
         if self._idle_timer is not None:
@@ -394,8 +423,9 @@ class _Cycle:
                 log.error("unhandled error in the ASGI application", exc_info=exc)
             if not self.complete:
                 self._abort()
-            if not isinstance(exc, Exception):
+            if isinstance(exc, asyncio.CancelledError):
                 raise
+            # Anything else stops here, as in uvicorn: one request must not end the server.
         else:
             if not self.started and not self.disconnected:
                 log.error("the ASGI application returned without starting a response")
@@ -452,7 +482,11 @@ class _Cycle:
             self._conn.resume_reading()
             waiter = self._conn.new_future()
             self._waiters.append(waiter)
-            await waiter
+            try:
+                await waiter
+            finally:
+                if waiter in self._waiters:  # cancelled before it was woken
+                    self._waiters.remove(waiter)
         if self.disconnected or self.complete:
             return {"type": "http.disconnect"}
         body = bytes(self.body)
@@ -484,6 +518,12 @@ class _Cycle:
 
     def _start(self, status: int, headers: Any) -> None:
         conn = self._conn
+        if self._continue and self.more_body:
+            # Answered before the client sent the body it announced: it may still send it, or
+            # not; either way the connection cannot be read reliably after this answer.
+            self.keep_alive = False
+        if status in (204, 304):
+            self._head_only = True  # no body, whatever the application sends
         lines = [conn.status_line(status)]
         names = []
         length: int | None = None
@@ -572,9 +612,11 @@ class _Cycle:
         """Answer 500 if nothing was sent yet; otherwise only closing can end the answer."""
         if self.disconnected:
             return
-        if self.started:
+        if self.started and self._head is None:
             self._transport.close()
             return
+        self._head = None  # a head held back was never sent: the 500 replaces it
+        self._head_only = self.scope["method"] == "HEAD"
         self.keep_alive = False
         self._continue = False
         headers = ((b"content-type", b"text/plain; charset=utf-8"), (b"content-length", b"21"))

@@ -9,6 +9,7 @@ from __future__ import annotations
 
 import asyncio
 import http.client
+import re
 import socket
 import threading
 import time
@@ -20,7 +21,12 @@ import uvloop
 from uvicorn.config import Config
 from uvicorn.server import ServerState
 
-from pdproxy.proxy.http_protocol import DISCONNECT_HOOK, HttpProtocol
+from pdproxy.proxy.http_protocol import (
+    DISCONNECT_HOOK,
+    MAX_HEAD_BYTES,
+    MAX_PIPELINED,
+    HttpProtocol,
+)
 from tests.integration.support import read_until
 
 HOST = "127.0.0.1"
@@ -76,6 +82,22 @@ def _app(recorder: Recorder) -> Any:
             raise ValueError("the application failed before answering")
         if path == "/fatal":
             raise Fatal("not an Exception")
+        if path == "/exit":
+            raise SystemExit(3)  # must not end the server's loop
+        if path == "/early":  # answers without reading the body the client announced
+            headers = [(b"content-length", b"5")]
+            await send({"type": "http.response.start", "status": 200, "headers": headers})
+            await send({"type": "http.response.body", "body": b"early"})
+            return
+        if path == "/start-then-fail":
+            headers = [(b"content-length", b"5")]
+            await send({"type": "http.response.start", "status": 200, "headers": headers})
+            raise ValueError("failed after the start, before any byte went out")
+        if path == "/not-modified":
+            headers = [(b"content-length", b"10"), (b"etag", b'"v1"')]
+            await send({"type": "http.response.start", "status": 304, "headers": headers})
+            await send({"type": "http.response.body", "body": b""})
+            return
         if path == "/start-then-read":
             headers = [(b"content-length", b"7")]
             await send({"type": "http.response.start", "status": 200, "headers": headers})
@@ -612,5 +634,109 @@ def test_header_with_a_control_character_or_a_signed_length_is_refused(
         answer = _read_response(sock)
         assert answer.startswith(b"HTTP/1.1 500 ")
         assert b"x-bad" not in answer and b"+2" not in answer
+    finally:
+        sock.close()
+
+
+def test_ten_pipelined_requests_are_all_answered(served: Served) -> None:
+    sock = served.raw()
+    try:
+        sock.sendall(b"".join(b"GET /echo?n=%d HTTP/1.1\r\nHost: x\r\n\r\n" % i for i in range(10)))
+        data = read_until(sock, b"GET /echo n=9|", 5)
+        assert [int(n) for n in re.findall(rb"GET /echo n=(\d+)\|", data)] == list(range(10))
+    finally:
+        sock.close()
+
+
+def test_pipelining_past_the_cap_is_cut_off(served: Served) -> None:
+    sock = served.raw()
+    try:
+        count = MAX_PIPELINED * 4
+        sock.sendall(b"GET /slow HTTP/1.1\r\nHost: x\r\n\r\n" * count)
+        data = _read_to_close(sock)  # closed, not answered to the end
+        assert data.count(b"HTTP/1.1 200") < count
+    finally:
+        sock.close()
+
+
+def test_system_exit_in_a_request_does_not_end_the_server(served: Served) -> None:
+    sock = served.raw()
+    try:
+        sock.sendall(b"GET /exit HTTP/1.1\r\nHost: x\r\n\r\n")
+        assert _read_response(sock).startswith(b"HTTP/1.1 500 ")
+    finally:
+        sock.close()
+    connection = served.connect()
+    try:
+        connection.request("GET", "/echo")
+        assert connection.getresponse().read() == b"GET /echo |"
+    finally:
+        connection.close()
+
+
+def test_answer_before_an_announced_body_closes_the_connection(served: Served) -> None:
+    sock = served.raw()
+    try:
+        sock.sendall(
+            b"POST /early HTTP/1.1\r\nHost: x\r\nContent-Length: 5\r\nExpect: 100-continue\r\n\r\n"
+        )
+        answer = _read_response(sock)
+        assert answer.endswith(b"\r\n\r\nearly")
+        assert b"connection: close" in answer.lower()  # the body may or may not follow
+        assert _closed_by_peer(sock, 5)
+    finally:
+        sock.close()
+
+
+def test_failure_after_a_held_back_start_still_answers_500(served: Served) -> None:
+    sock = served.raw()
+    try:
+        sock.sendall(b"GET /start-then-fail HTTP/1.1\r\nHost: x\r\n\r\n")
+        answer = _read_response(sock)
+        assert answer.startswith(b"HTTP/1.1 500 ")
+        assert answer.endswith(b"Internal Server Error")
+    finally:
+        sock.close()
+
+
+def test_304_keeps_its_length_header_and_sends_no_body(served: Served) -> None:
+    sock = served.raw()
+    try:
+        sock.sendall(
+            b"GET /not-modified HTTP/1.1\r\nHost: x\r\n\r\nGET /echo HTTP/1.1\r\nHost: x\r\n\r\n"
+        )
+        data = read_until(sock, b"GET /echo |", 5)
+        first, _, second = data.partition(b"\r\n\r\n")
+        assert first.startswith(b"HTTP/1.1 304 ") and b"content-length: 10" in first
+        assert second.startswith(b"HTTP/1.1 200 OK")  # nothing in between: no body after a 304
+    finally:
+        sock.close()
+
+
+def test_oversized_request_head_is_refused(served: Served) -> None:
+    sock = served.raw()
+    try:
+        big = b"X-Filler: " + b"f" * (MAX_HEAD_BYTES + 1) + b"\r\n"
+        sock.sendall(b"GET /echo HTTP/1.1\r\nHost: x\r\n" + big + b"\r\n")
+        assert _read_response(sock).startswith(b"HTTP/1.1 400 ")
+        assert _closed_by_peer(sock, 5)
+    finally:
+        sock.close()
+
+
+def test_trickled_request_head_is_bounded_by_one_idle_timeout(served: Served) -> None:
+    sock = served.raw()
+    try:
+        sock.sendall(b"GET /echo HTTP/1.1\r\n")
+        began = time.monotonic()
+        closed = False
+        while time.monotonic() - began < IDLE_SECONDS * 6 and not closed:
+            try:
+                sock.sendall(b"X-Slow: 1\r\n")  # a line every 0.2 s: never idle for long
+            except OSError:
+                closed = True
+                break
+            closed = _closed_by_peer(sock, 0.2)
+        assert closed
     finally:
         sock.close()
