@@ -95,6 +95,18 @@ def open_raw_request(url: str, payload: Any) -> socket.socket:
     return sock
 
 
+def closed_by_peer(sock: socket.socket, timeout: float = 5.0) -> bool:
+    """Whether the other end closes (or resets) the connection within `timeout`; no data
+    is expected meanwhile."""
+    sock.settimeout(timeout)
+    try:
+        return sock.recv(1) == b""
+    except ConnectionResetError:
+        return True
+    except TimeoutError:
+        return False
+
+
 def read_until(sock: socket.socket, marker: bytes, timeout: float) -> bytes:
     deadline = time.monotonic() + timeout
     data = b""

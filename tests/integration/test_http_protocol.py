@@ -27,7 +27,7 @@ from pdproxy.proxy.http_protocol import (
     MAX_PIPELINED,
     HttpProtocol,
 )
-from tests.integration.support import read_until
+from tests.integration.support import closed_by_peer, read_until
 
 HOST = "127.0.0.1"
 IDLE_SECONDS = 1
@@ -309,16 +309,6 @@ def _read_to_close(sock: socket.socket, timeout: float = 5.0) -> bytes:
     return data
 
 
-def _closed_by_peer(sock: socket.socket, timeout: float) -> bool:
-    sock.settimeout(timeout)
-    try:
-        return sock.recv(1) == b""
-    except TimeoutError:
-        return False
-    except ConnectionResetError:
-        return True
-
-
 def test_keep_alive_serves_many_requests_on_one_connection(served: Served) -> None:
     connection = served.connect()
     try:
@@ -444,7 +434,7 @@ def test_http_1_0_connection_is_closed_after_the_answer(served: Served) -> None:
         sock.sendall(b"GET /echo HTTP/1.0\r\n\r\n")
         answer = _read_response(sock)
         assert b"connection: close" in answer.lower()
-        assert _closed_by_peer(sock, 5)
+        assert closed_by_peer(sock, 5)
     finally:
         sock.close()
 
@@ -456,7 +446,7 @@ def test_malformed_request_gets_400_and_close(served: Served) -> None:
         answer = _read_response(sock)
         assert answer.startswith(b"HTTP/1.1 400 Bad Request\r\n")
         assert answer.endswith(b"Invalid HTTP request received.")
-        assert _closed_by_peer(sock, 5)
+        assert closed_by_peer(sock, 5)
     finally:
         sock.close()
 
@@ -466,8 +456,8 @@ def test_idle_connection_is_closed_after_the_keep_alive_timeout(served: Served) 
     try:
         sock.sendall(b"GET /echo HTTP/1.1\r\nHost: x\r\n\r\n")
         assert _read_response(sock).endswith(b"GET /echo |")
-        assert not _closed_by_peer(sock, IDLE_SECONDS / 5)  # still open right after
-        assert _closed_by_peer(sock, IDLE_SECONDS * 6)
+        assert not closed_by_peer(sock, IDLE_SECONDS / 5)  # still open right after
+        assert closed_by_peer(sock, IDLE_SECONDS * 6)
     finally:
         sock.close()
 
@@ -579,7 +569,7 @@ def test_base_exception_from_the_application_still_answers(served: Served) -> No
         sock.sendall(b"GET /fatal HTTP/1.1\r\nHost: x\r\n\r\n")
         answer = _read_response(sock)
         assert answer.startswith(b"HTTP/1.1 500 ")
-        assert _closed_by_peer(sock, 5)
+        assert closed_by_peer(sock, 5)
     finally:
         sock.close()
 
@@ -604,8 +594,8 @@ def test_connection_without_a_whole_request_is_closed_when_idle(served: Served) 
     silent, partial = served.raw(), served.raw()
     try:
         partial.sendall(b"GET /echo HTTP/1.1\r\nHost: x\r\n")  # headers never finished
-        assert _closed_by_peer(silent, IDLE_SECONDS * 6)
-        assert _closed_by_peer(partial, IDLE_SECONDS * 6)
+        assert closed_by_peer(silent, IDLE_SECONDS * 6)
+        assert closed_by_peer(partial, IDLE_SECONDS * 6)
     finally:
         silent.close()
         partial.close()
@@ -683,7 +673,7 @@ def test_answer_before_an_announced_body_closes_the_connection(served: Served) -
         answer = _read_response(sock)
         assert answer.endswith(b"\r\n\r\nearly")
         assert b"connection: close" in answer.lower()  # the body may or may not follow
-        assert _closed_by_peer(sock, 5)
+        assert closed_by_peer(sock, 5)
     finally:
         sock.close()
 
@@ -719,7 +709,7 @@ def test_oversized_request_head_is_refused(served: Served) -> None:
         big = b"X-Filler: " + b"f" * (MAX_HEAD_BYTES + 1) + b"\r\n"
         sock.sendall(b"GET /echo HTTP/1.1\r\nHost: x\r\n" + big + b"\r\n")
         assert _read_response(sock).startswith(b"HTTP/1.1 400 ")
-        assert _closed_by_peer(sock, 5)
+        assert closed_by_peer(sock, 5)
     finally:
         sock.close()
 
@@ -736,7 +726,7 @@ def test_trickled_request_head_is_bounded_by_one_idle_timeout(served: Served) ->
             except OSError:
                 closed = True
                 break
-            closed = _closed_by_peer(sock, 0.2)
+            closed = closed_by_peer(sock, 0.2)
         assert closed
     finally:
         sock.close()

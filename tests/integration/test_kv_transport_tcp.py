@@ -24,6 +24,7 @@ from pdproxy.worker.kv_wire import LayerHeader, frame_prefix
 from pdproxy.worker.kv_worker import ConsumerWorker, ProducerWorker, TransferRecord
 from tests.integration import test_kv_transfer_tp as tp
 from tests.integration.kv_support import random_caches
+from tests.integration.support import closed_by_peer
 
 MIB = 1 << 20
 LOCAL = "127.0.0.1"
@@ -111,16 +112,6 @@ def link() -> Iterator[Link]:
         yield made
     finally:
         made.close()
-
-
-def closed_by_peer(sock: socket.socket, timeout: float = 5.0) -> bool:
-    sock.settimeout(timeout)
-    try:
-        return sock.recv(1) == b""
-    except ConnectionResetError:
-        return True
-    except TimeoutError:
-        return False
 
 
 # -- frames arrive whole, in place -----------------------------------------------------------
