@@ -312,9 +312,8 @@ class HttpProtocol(asyncio.Protocol):
             return
         if self._pipeline:
             self._start(self._pipeline.popleft())
-            self.resume_reading()
-        else:
-            self.resume_reading()
+        self.resume_reading()  # after taking from the queue: reading waits for it to empty
+        if self._cycle is None:
             self._arm_idle_timer()
 
     # -- internals ---------------------------------------------------------------------------
@@ -551,7 +550,7 @@ class _Cycle:
             raise RuntimeError("invalid HTTP header name")
         if chunked and length is not None:
             raise RuntimeError("a response cannot have both content-length and chunked encoding")
-        if length is None and not chunked and not self._head_only and status not in (204, 304):
+        if length is None and not chunked and not self._head_only:
             if self.scope["http_version"] == "1.0":
                 self._until_close = True  # no chunked encoding before HTTP/1.1
                 self.keep_alive = False
@@ -564,9 +563,8 @@ class _Cycle:
         head = b"".join(lines)
         # Each line ends in the one CRLF put there, and nothing else is a control character:
         # a value with CR, LF or NUL could forge headers of its own.
-        if head.count(b"\n") != len(lines) or head.count(b"\r") != len(lines):
-            raise RuntimeError("invalid HTTP header value")
-        if _CONTROL.search(head):
+        lines_ended = head.count(b"\n") == len(lines) == head.count(b"\r")
+        if not lines_ended or _CONTROL.search(head):
             raise RuntimeError("invalid HTTP header value")
         self.started = True
         self._chunked = chunked

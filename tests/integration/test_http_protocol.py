@@ -226,8 +226,7 @@ class Served:
         return http.client.HTTPConnection(HOST, self.port, timeout=10)
 
     def raw(self) -> socket.socket:
-        sock = socket.create_connection((HOST, self.port), timeout=10)
-        return sock
+        return socket.create_connection((HOST, self.port), timeout=10)
 
 
 @pytest.fixture(params=["asyncio", "uvloop"])
@@ -329,14 +328,11 @@ def test_keep_alive_serves_many_requests_on_one_connection(served: Served) -> No
 
 
 def test_answer_with_known_length_leaves_in_one_segment(served: Served) -> None:
-    sock = served.raw()
-    try:
+    with served.raw() as sock:
         sock.sendall(b"POST /echo HTTP/1.1\r\nHost: x\r\nContent-Length: 2\r\n\r\nhi")
         answer = _read_response(sock)
         assert answer.endswith(b"\r\n\r\nPOST /echo |hi")
         assert served.writes == [answer]  # head and body in one write: one system call
-    finally:
-        sock.close()
 
 
 def test_percent_encoded_path_is_decoded(served: Served) -> None:
@@ -383,8 +379,7 @@ def test_streamed_answer_is_chunked(served: Served) -> None:
 
 
 def test_head_gets_headers_without_body(served: Served) -> None:
-    sock = served.raw()
-    try:
+    with served.raw() as sock:
         sock.sendall(b"HEAD /echo HTTP/1.1\r\nHost: x\r\n\r\nGET /echo HTTP/1.1\r\nHost: x\r\n\r\n")
         sock.settimeout(5)
         data = b""
@@ -396,13 +391,10 @@ def test_head_gets_headers_without_body(served: Served) -> None:
         assert b"content-length: 12" in head_answer
         assert head_answer.endswith(b"\r\n\r\n")  # no body after the HEAD's headers
         assert second.endswith(b"GET /echo |")
-    finally:
-        sock.close()
 
 
 def test_pipelined_requests_are_answered_in_order(served: Served) -> None:
-    sock = served.raw()
-    try:
+    with served.raw() as sock:
         sock.sendall(
             b"GET /slow HTTP/1.1\r\nHost: x\r\n\r\n"
             b"POST /echo HTTP/1.1\r\nHost: x\r\nContent-Length: 3\r\n\r\nabc"
@@ -411,55 +403,41 @@ def test_pipelined_requests_are_answered_in_order(served: Served) -> None:
         # The slow first request is answered first, the second right after it.
         assert data.count(b"HTTP/1.1 200 OK") == 2
         assert data.index(b"GET /slow |") < data.index(b"POST /echo |abc")
-    finally:
-        sock.close()
 
 
 def test_expect_100_continue(served: Served) -> None:
-    sock = served.raw()
-    try:
+    with served.raw() as sock:
         sock.sendall(
             b"POST /echo HTTP/1.1\r\nHost: x\r\nContent-Length: 4\r\nExpect: 100-continue\r\n\r\n"
         )
         assert read_until(sock, b"\r\n\r\n", 5) == b"HTTP/1.1 100 Continue\r\n\r\n"
         sock.sendall(b"body")
         assert _read_response(sock).endswith(b"POST /echo |body")
-    finally:
-        sock.close()
 
 
 def test_http_1_0_connection_is_closed_after_the_answer(served: Served) -> None:
-    sock = served.raw()
-    try:
+    with served.raw() as sock:
         sock.sendall(b"GET /echo HTTP/1.0\r\n\r\n")
         answer = _read_response(sock)
         assert b"connection: close" in answer.lower()
         assert closed_by_peer(sock, 5)
-    finally:
-        sock.close()
 
 
 def test_malformed_request_gets_400_and_close(served: Served) -> None:
-    sock = served.raw()
-    try:
+    with served.raw() as sock:
         sock.sendall(b"GET /echo HTTP/1.1\r\nBad Header Without Colon\r\n\r\n")
         answer = _read_response(sock)
         assert answer.startswith(b"HTTP/1.1 400 Bad Request\r\n")
         assert answer.endswith(b"Invalid HTTP request received.")
         assert closed_by_peer(sock, 5)
-    finally:
-        sock.close()
 
 
 def test_idle_connection_is_closed_after_the_keep_alive_timeout(served: Served) -> None:
-    sock = served.raw()
-    try:
+    with served.raw() as sock:
         sock.sendall(b"GET /echo HTTP/1.1\r\nHost: x\r\n\r\n")
         assert _read_response(sock).endswith(b"GET /echo |")
         assert not closed_by_peer(sock, IDLE_SECONDS / 5)  # still open right after
         assert closed_by_peer(sock, IDLE_SECONDS * 6)
-    finally:
-        sock.close()
 
 
 def test_application_error_before_answer_is_500(served: Served) -> None:
@@ -487,25 +465,19 @@ def test_application_error_mid_answer_closes_the_connection(served: Served) -> N
 
 
 def test_forged_header_value_is_refused(served: Served) -> None:
-    sock = served.raw()
-    try:
+    with served.raw() as sock:
         sock.sendall(b"GET /forged-header HTTP/1.1\r\nHost: x\r\n\r\n")
         answer = _read_response(sock)
         assert answer.startswith(b"HTTP/1.1 500 ")
         assert b"stolen" not in answer
-    finally:
-        sock.close()
 
 
 def test_body_shorter_than_its_length_closes_the_connection(served: Served) -> None:
-    sock = served.raw()
-    try:
+    with served.raw() as sock:
         sock.sendall(b"GET /short HTTP/1.1\r\nHost: x\r\n\r\n")
         data = _read_to_close(sock)
         # Never a complete 10-byte body: the client cannot mistake it for a whole answer.
         assert len(data.partition(b"\r\n\r\n")[2]) < 10
-    finally:
-        sock.close()
 
 
 def test_client_leaving_calls_the_hook_and_ends_receive(served: Served) -> None:
@@ -518,16 +490,13 @@ def test_client_leaving_calls_the_hook_and_ends_receive(served: Served) -> None:
 
 
 def test_slow_reader_holds_the_writer_back(served: Served) -> None:
-    sock = served.raw()
-    try:
+    with served.raw() as sock:
         sock.setsockopt(socket.SOL_SOCKET, socket.SO_RCVBUF, 65536)
         sock.sendall(b"GET /big HTTP/1.1\r\nHost: x\r\n\r\n")
         time.sleep(0.5)  # not reading: the server's buffers fill and send() must wait
         answer = _read_response(sock, timeout=20)
         assert len(answer.partition(b"\r\n\r\n")[2]) == BIG
         assert max(served.recorder.send_waits) >= 0.2
-    finally:
-        sock.close()
 
 
 def test_hang_up_after_a_large_body_is_seen(served: Served) -> None:
@@ -543,16 +512,13 @@ def test_hang_up_after_a_large_body_is_seen(served: Served) -> None:
 
 
 def test_a_send_cancelled_by_a_timeout_does_not_break_the_next_one(served: Served) -> None:
-    sock = served.raw()
-    try:
+    with served.raw() as sock:
         sock.setsockopt(socket.SOL_SOCKET, socket.SO_RCVBUF, 65536)
         sock.sendall(b"GET /stuck-send HTTP/1.1\r\nHost: x\r\n\r\n")
         assert served.recorder.wait_for("send timed out", timeout=10)
         data = read_until(sock, b"3\r\nend\r\n0\r\n\r\n", 20)
         assert data.endswith(b"3\r\nend\r\n0\r\n\r\n"), "the stream was cut before its end"
         assert served.recorder.wait_for("ended")
-    finally:
-        sock.close()
 
 
 def test_every_receive_waiting_sees_the_disconnect(served: Served) -> None:
@@ -564,19 +530,15 @@ def test_every_receive_waiting_sees_the_disconnect(served: Served) -> None:
 
 
 def test_base_exception_from_the_application_still_answers(served: Served) -> None:
-    sock = served.raw()
-    try:
+    with served.raw() as sock:
         sock.sendall(b"GET /fatal HTTP/1.1\r\nHost: x\r\n\r\n")
         answer = _read_response(sock)
         assert answer.startswith(b"HTTP/1.1 500 ")
         assert closed_by_peer(sock, 5)
-    finally:
-        sock.close()
 
 
 def test_head_sent_before_the_body_is_read_reaches_a_100_continue_client(served: Served) -> None:
-    sock = served.raw()
-    try:
+    with served.raw() as sock:
         sock.sendall(
             b"POST /start-then-read HTTP/1.1\r\nHost: x\r\nContent-Length: 5\r\n"
             b"Expect: 100-continue\r\n\r\n"
@@ -586,8 +548,6 @@ def test_head_sent_before_the_body_is_read_reaches_a_100_continue_client(served:
         assert head.endswith(b"\r\n\r\n")
         sock.sendall(b"hello")
         assert read_until(sock, b"got hel", 5) == b"got hel"
-    finally:
-        sock.close()
 
 
 def test_connection_without_a_whole_request_is_closed_when_idle(served: Served) -> None:
@@ -602,60 +562,45 @@ def test_connection_without_a_whole_request_is_closed_when_idle(served: Served) 
 
 
 def test_http_1_0_stream_ends_with_the_connection(served: Served) -> None:
-    sock = served.raw()
-    try:
+    with served.raw() as sock:
         sock.sendall(b"GET /stream HTTP/1.0\r\n\r\n")
         data = _read_to_close(sock)
         head, _, body = data.partition(b"\r\n\r\n")
         assert b"transfer-encoding" not in head.lower()  # HTTP/1.0 has no chunked encoding
         assert b"connection: close" in head.lower()
         assert body == b"".join(b"data: %d\n\n" % index for index in range(5))
-    finally:
-        sock.close()
 
 
 @pytest.mark.parametrize("path", ["/control-header", "/signed-length"])
 def test_header_with_a_control_character_or_a_signed_length_is_refused(
     served: Served, path: str
 ) -> None:
-    sock = served.raw()
-    try:
+    with served.raw() as sock:
         sock.sendall(b"GET %s HTTP/1.1\r\nHost: x\r\n\r\n" % path.encode())
         answer = _read_response(sock)
         assert answer.startswith(b"HTTP/1.1 500 ")
         assert b"x-bad" not in answer and b"+2" not in answer
-    finally:
-        sock.close()
 
 
 def test_ten_pipelined_requests_are_all_answered(served: Served) -> None:
-    sock = served.raw()
-    try:
+    with served.raw() as sock:
         sock.sendall(b"".join(b"GET /echo?n=%d HTTP/1.1\r\nHost: x\r\n\r\n" % i for i in range(10)))
         data = read_until(sock, b"GET /echo n=9|", 5)
         assert [int(n) for n in re.findall(rb"GET /echo n=(\d+)\|", data)] == list(range(10))
-    finally:
-        sock.close()
 
 
 def test_pipelining_past_the_cap_is_cut_off(served: Served) -> None:
-    sock = served.raw()
-    try:
+    with served.raw() as sock:
         count = MAX_PIPELINED * 4
         sock.sendall(b"GET /slow HTTP/1.1\r\nHost: x\r\n\r\n" * count)
         data = _read_to_close(sock)  # closed, not answered to the end
         assert data.count(b"HTTP/1.1 200") < count
-    finally:
-        sock.close()
 
 
 def test_system_exit_in_a_request_does_not_end_the_server(served: Served) -> None:
-    sock = served.raw()
-    try:
+    with served.raw() as sock:
         sock.sendall(b"GET /exit HTTP/1.1\r\nHost: x\r\n\r\n")
         assert _read_response(sock).startswith(b"HTTP/1.1 500 ")
-    finally:
-        sock.close()
     connection = served.connect()
     try:
         connection.request("GET", "/echo")
@@ -665,8 +610,7 @@ def test_system_exit_in_a_request_does_not_end_the_server(served: Served) -> Non
 
 
 def test_answer_before_an_announced_body_closes_the_connection(served: Served) -> None:
-    sock = served.raw()
-    try:
+    with served.raw() as sock:
         sock.sendall(
             b"POST /early HTTP/1.1\r\nHost: x\r\nContent-Length: 5\r\nExpect: 100-continue\r\n\r\n"
         )
@@ -674,24 +618,18 @@ def test_answer_before_an_announced_body_closes_the_connection(served: Served) -
         assert answer.endswith(b"\r\n\r\nearly")
         assert b"connection: close" in answer.lower()  # the body may or may not follow
         assert closed_by_peer(sock, 5)
-    finally:
-        sock.close()
 
 
 def test_failure_after_a_held_back_start_still_answers_500(served: Served) -> None:
-    sock = served.raw()
-    try:
+    with served.raw() as sock:
         sock.sendall(b"GET /start-then-fail HTTP/1.1\r\nHost: x\r\n\r\n")
         answer = _read_response(sock)
         assert answer.startswith(b"HTTP/1.1 500 ")
         assert answer.endswith(b"Internal Server Error")
-    finally:
-        sock.close()
 
 
 def test_304_keeps_its_length_header_and_sends_no_body(served: Served) -> None:
-    sock = served.raw()
-    try:
+    with served.raw() as sock:
         sock.sendall(
             b"GET /not-modified HTTP/1.1\r\nHost: x\r\n\r\nGET /echo HTTP/1.1\r\nHost: x\r\n\r\n"
         )
@@ -699,24 +637,18 @@ def test_304_keeps_its_length_header_and_sends_no_body(served: Served) -> None:
         first, _, second = data.partition(b"\r\n\r\n")
         assert first.startswith(b"HTTP/1.1 304 ") and b"content-length: 10" in first
         assert second.startswith(b"HTTP/1.1 200 OK")  # nothing in between: no body after a 304
-    finally:
-        sock.close()
 
 
 def test_oversized_request_head_is_refused(served: Served) -> None:
-    sock = served.raw()
-    try:
+    with served.raw() as sock:
         big = b"X-Filler: " + b"f" * (MAX_HEAD_BYTES + 1) + b"\r\n"
         sock.sendall(b"GET /echo HTTP/1.1\r\nHost: x\r\n" + big + b"\r\n")
         assert _read_response(sock).startswith(b"HTTP/1.1 400 ")
         assert closed_by_peer(sock, 5)
-    finally:
-        sock.close()
 
 
 def test_trickled_request_head_is_bounded_by_one_idle_timeout(served: Served) -> None:
-    sock = served.raw()
-    try:
+    with served.raw() as sock:
         sock.sendall(b"GET /echo HTTP/1.1\r\n")
         began = time.monotonic()
         closed = False
@@ -728,5 +660,3 @@ def test_trickled_request_head_is_bounded_by_one_idle_timeout(served: Served) ->
                 break
             closed = closed_by_peer(sock, 0.2)
         assert closed
-    finally:
-        sock.close()
