@@ -62,8 +62,14 @@ class Deadline:
         return self._expired
 
     def __enter__(self) -> Deadline:
+        # Four of these per request: arming is written out here rather than going through
+        # reschedule() and _arm() (a Python call costs about as much as the timer itself).
         self._cancelling = self._task.cancelling()
-        self.reschedule(self._when)
+        when = self._when
+        if when is not None:
+            self._armed_at = when
+            # A time already past fires on the loop's next iteration, as call_soon would.
+            self._handle = self._loop.call_at(when, self._fire)
         return self
 
     def __exit__(

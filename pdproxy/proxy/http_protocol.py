@@ -104,7 +104,12 @@ class HttpProtocol(asyncio.Protocol):
         self.transport: asyncio.Transport | None = None
         self._server: tuple[str, int] | None = None
         self._client: tuple[str, int] | None = None
+        # The idle bound moves with every request; the timer does not. It stays armed for the
+        # earliest bound and, when it fires, looks at the bound as it is by then: one timer
+        # per idle period instead of a cancel and a new timer for every request.
+        self._idle_until: float | None = None  # loop time to close by; None while answering
         self._idle_timer: asyncio.TimerHandle | None = None
+        self._idle_timer_at = 0.0  # when the armed timer fires (meaningful while it is set)
         self._read_paused = False
         self.write_paused = False
         self._write_waiters: list[asyncio.Future[None]] = []
@@ -126,7 +131,7 @@ class HttpProtocol(asyncio.Protocol):
         self.transport = cast(asyncio.Transport, transport)
         self._server = _address(transport.get_extra_info("sockname"))
         self._client = _address(transport.get_extra_info("peername"))
-        self._arm_idle_timer()  # a connection that never sends a request is not kept forever
+        self._idle_from_now()  # a connection that never sends a request is not kept forever
 
     def connection_lost(self, exc: Exception | None) -> None:
         self._server_state.connections.discard(self)
@@ -147,7 +152,6 @@ class HttpProtocol(asyncio.Protocol):
         return None
 
     def data_received(self, data: bytes) -> None:
-        self._cancel_idle_timer()
         try:
             self._parser.feed_data(data)
         except httptools.HttpParserUpgrade:
@@ -160,10 +164,7 @@ class HttpProtocol(asyncio.Protocol):
             # Between requests (a partial request, or a body trickling in after an early
             # answer): still bounded by the idle timeout; a head by one timeout in all.
             began = self._head_began
-            left = float(self._idle_seconds)
-            if began is not None:
-                left -= self._loop.time() - began
-            self._arm_idle_timer(max(0.0, left))
+            self._idle_by((self._loop.time() if began is None else began) + self._idle_seconds)
 
     def pause_writing(self) -> None:
         self.write_paused = True
@@ -314,12 +315,13 @@ class HttpProtocol(asyncio.Protocol):
             self._start(self._pipeline.popleft())
         self.resume_reading()  # after taking from the queue: reading waits for it to empty
         if self._cycle is None:
-            self._arm_idle_timer()
+            self._idle_from_now()
 
     # -- internals ---------------------------------------------------------------------------
 
     def _start(self, cycle: _Cycle) -> None:
         self._cycle = cycle
+        self._idle_until = None  # an armed idle timer finds no bound when it fires
         tasks = self._server_state.tasks
         task = self._loop.create_task(cycle.run(self._app))
         tasks.add(task)
@@ -334,18 +336,34 @@ class HttpProtocol(asyncio.Protocol):
         waiters, self._write_waiters = self._write_waiters, []
         _release(waiters)
 
-    def _arm_idle_timer(self, delay: float | None = None) -> None:
+    def _idle_from_now(self) -> None:
+        self._idle_by(self._loop.time() + self._idle_seconds)
+
+    def _idle_by(self, when: float) -> None:
+        """Close the connection at loop time `when` unless a request starts before."""
+        self._idle_until = when
+        if self._idle_timer is None or when < self._idle_timer_at:
+            self._arm_idle_timer(when)
+        # else the armed timer fires first and re-arms for `when`
+
+    def _arm_idle_timer(self, when: float) -> None:
         self._cancel_idle_timer()
-        seconds = self._idle_seconds if delay is None else delay
-        self._idle_timer = self._loop.call_later(seconds, self._close_idle)
+        self._idle_timer_at = when
+        self._idle_timer = self._loop.call_at(when, self._idle_check)
 
     def _cancel_idle_timer(self) -> None:
         if self._idle_timer is not None:
             self._idle_timer.cancel()
             self._idle_timer = None
 
-    def _close_idle(self) -> None:
+    def _idle_check(self) -> None:
         self._idle_timer = None
+        when = self._idle_until
+        if when is None:
+            return  # a request is being answered; its end sets a new bound
+        if when > self._loop.time():
+            self._arm_idle_timer(when)  # the bound moved since this timer was armed
+            return
         if self.transport is not None and not self.transport.is_closing():
             self.transport.close()
 

@@ -8,7 +8,7 @@ membership or announced content changes.
 from __future__ import annotations
 
 from collections.abc import Iterable
-from dataclasses import dataclass, replace
+from dataclasses import dataclass, field, replace
 from enum import StrEnum
 
 from pdproxy.ids import Address
@@ -40,11 +40,12 @@ class Instance:
     geometry: Geometry | None = None
     load: Load | None = None
     healthy: bool = True
+    # The label this instance carries in logs, metrics and errors; read several times per
+    # request, so made once.
+    name: str = field(init=False, repr=False, compare=False)
 
-    @property
-    def name(self) -> str:
-        """The label this instance carries in logs, metrics and errors."""
-        return str(self.http_address)
+    def __post_init__(self) -> None:
+        object.__setattr__(self, "name", str(self.http_address))
 
     def serves(self, model: str) -> bool:
         # A v0 or static instance without a model announced serves whatever it is asked.

@@ -78,6 +78,8 @@ def _app(recorder: Recorder) -> Any:
         path = scope["path"]
         if path == "/slow":
             await asyncio.sleep(0.2)
+        if path == "/longer-than-idle":
+            await asyncio.sleep(IDLE_SECONDS * 1.5)
         if path == "/boom":
             raise ValueError("the application failed before answering")
         if path == "/fatal":
@@ -437,6 +439,29 @@ def test_idle_connection_is_closed_after_the_keep_alive_timeout(served: Served) 
         sock.sendall(b"GET /echo HTTP/1.1\r\nHost: x\r\n\r\n")
         assert _read_response(sock).endswith(b"GET /echo |")
         assert not closed_by_peer(sock, IDLE_SECONDS / 5)  # still open right after
+        assert closed_by_peer(sock, IDLE_SECONDS * 6)
+
+
+def test_an_answer_longer_than_the_idle_period_keeps_its_connection(served: Served) -> None:
+    # The idle timer armed when the connection opened fires during the answer: it must find
+    # no bound then, and the bound must start again when the answer ends.
+    with served.raw() as sock:
+        sock.sendall(b"GET /longer-than-idle HTTP/1.1\r\nHost: x\r\n\r\n")
+        assert _read_response(sock, timeout=IDLE_SECONDS * 5).endswith(b"GET /longer-than-idle |")
+        assert not closed_by_peer(sock, IDLE_SECONDS / 2)
+        sock.sendall(b"GET /echo HTTP/1.1\r\nHost: x\r\n\r\n")
+        assert _read_response(sock).endswith(b"GET /echo |")
+        assert closed_by_peer(sock, IDLE_SECONDS * 6)
+
+
+def test_requests_closer_than_the_idle_period_keep_the_connection(served: Served) -> None:
+    # Three idle periods in all, never one without a request: the armed timer fires, finds the
+    # bound moved later, and waits again.
+    with served.raw() as sock:
+        for _ in range(9):
+            sock.sendall(b"GET /echo HTTP/1.1\r\nHost: x\r\n\r\n")
+            assert _read_response(sock).endswith(b"GET /echo |")
+            time.sleep(IDLE_SECONDS / 3)
         assert closed_by_peer(sock, IDLE_SECONDS * 6)
 
 
