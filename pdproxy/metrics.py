@@ -85,6 +85,14 @@ LEG_ROLES = (PREFILL, DECODE)  # the role label of in-flight legs and upstream e
 REFUSALS = ("queue_full", "queue_timeout", "draining", "unauthorized")
 
 
+# pdproxy_inflight_requests: a gauge with several workers, else read by _InflightCollector.
+_INFLIGHT = (
+    "pdproxy_inflight_requests",
+    "Legs in flight, by role and instance (http address).",
+    ("role", "instance"),
+)
+
+
 class Metrics:
     def __init__(self, registry: CollectorRegistry | None = None, shared: bool = False) -> None:
         self.registry = registry or CollectorRegistry(auto_describe=True)
@@ -123,13 +131,20 @@ class Metrics:
             buckets=_LATENCY_BUCKETS,
             registry=r,
         )
+        # Legs in flight. Several workers must each write theirs to the shared files: a gauge.
+        # In one process a collector reads the leg counts at scrape time instead (a gauge's inc
+        # and dec on every leg cost more than the counting); the gauge, unregistered, still
+        # defines the metric.
         self.inflight = Gauge(
-            "pdproxy_inflight_requests",
-            "Legs in flight, by role and instance (http address).",
-            ["role", "instance"],
-            registry=r,
+            *_INFLIGHT,
+            registry=r if shared else None,
             multiprocess_mode="livesum",
         )
+        self._legs: dict[tuple[str, str], _Legs] = {}
+        # The (role, instance) pairs with an in-flight series: given a leg, not removed since.
+        self._inflight_sets: set[tuple[str, str]] = set()
+        if not shared:
+            r.register(_InflightCollector(self._legs, self._inflight_sets))
         self.registry_instances = Gauge(
             "pdproxy_registry_instances",
             "Registered instances by role.",
@@ -246,8 +261,6 @@ class Metrics:
             self.registry_instances.labels(role.value)
         for reason in Reason:
             self.registry_messages.labels("rejected", reason.value)
-        self._legs: dict[tuple[str, str], _Legs] = {}
-        self._inflight_sets: set[tuple[str, str]] = set()  # (role, instance) ever given a leg
         self._departed: set[str] = set()
         self._kv_pairs: set[tuple[str, str]] = set()
 
@@ -271,22 +284,25 @@ class Metrics:
         legs = self._legs.get(key)
         if legs is None:
             # The gauge's label lookup once per busy period, not twice per leg.
-            legs = self._legs[key] = _Legs(self.inflight.labels(role, instance))
+            gauge = self.inflight.labels(role, instance) if self.shared else None
+            legs = self._legs[key] = _Legs(gauge)
             self._inflight_sets.add(key)
         legs.count += 1
-        legs.gauge.inc()
+        if legs.gauge is not None:
+            legs.gauge.inc()
 
     def leg_finished(self, role: str, instance: str) -> None:
         key = (role, instance)
         legs = self._legs[key]
         legs.count -= 1
         if legs.count:
-            legs.gauge.dec()
+            if legs.gauge is not None:
+                legs.gauge.dec()
             return
         del self._legs[key]
         if instance in self._departed:
             self._remove_inflight(role, instance)
-        else:
+        elif legs.gauge is not None:
             legs.gauge.set(0)
 
     def instance_joined(self, instance: str) -> None:
@@ -313,12 +329,11 @@ class Metrics:
                     family.remove(*pair)
 
     def _remove_inflight(self, role: str, instance: str) -> None:
-        if self.shared:
+        if self.shared:  # a series in the shared files cannot be removed, only zeroed
             if (role, instance) in self._inflight_sets:  # never make a series to zero it
                 self.inflight.labels(role, instance).set(0)
         else:
-            with contextlib.suppress(KeyError):
-                self.inflight.remove(role, instance)
+            self._inflight_sets.discard((role, instance))
         if all((r, instance) not in self._legs for r in LEG_ROLES):
             self._departed.discard(instance)
 
@@ -332,13 +347,38 @@ class Metrics:
 
 
 class _Legs:
-    """The legs in flight to one instance in one role, and their gauge."""
+    """The legs in flight to one instance in one role, and their gauge (shared metrics only)."""
 
     __slots__ = ("count", "gauge")
 
-    def __init__(self, gauge: Gauge) -> None:
+    def __init__(self, gauge: Gauge | None) -> None:
         self.count = 0
         self.gauge = gauge
+
+
+class _InflightCollector(Collector):
+    """pdproxy_inflight_requests of one process, read from the leg counts at scrape time."""
+
+    def __init__(
+        self, legs: Mapping[tuple[str, str], _Legs], series: Iterable[tuple[str, str]]
+    ) -> None:
+        self._legs = legs
+        self._series = series
+
+    def describe(self) -> list[Metric]:
+        return [self._family()]
+
+    def collect(self) -> Iterable[Metric]:
+        family = self._family()
+        for key in sorted(self._series):
+            legs = self._legs.get(key)
+            family.add_metric(key, 0 if legs is None else legs.count)
+        return [family]
+
+    @staticmethod
+    def _family() -> GaugeMetricFamily:
+        name, documentation, labels = _INFLIGHT
+        return GaugeMetricFamily(name, documentation, labels=labels)
 
 
 class _CircuitCollector(Collector):

@@ -25,6 +25,7 @@ import httptools
 from pdproxy import __version__
 from pdproxy.config import Settings
 from pdproxy.ids import Address
+from pdproxy.proxy.slots import Slots
 
 # Idle connections are dropped before uvicorn's default keep-alive (5 s, what vLLM runs with)
 # would close them under us.
@@ -190,17 +191,14 @@ class _Connection(asyncio.Protocol):
         self._in_exchange = False
         self._reset_exchange()
 
-    async def _wait(self) -> None:
+    def _wait(self) -> asyncio.Future[None]:
+        """A future for the next event (headers, body, end, failure); raises the failure, if
+        there is one. Not a coroutine: the waiting loops await the future itself, one frame
+        less to resume per event. A failure wakes them, and their next call raises it."""
         if self._error is not None:
             raise self._error
-        waiter = self._loop.create_future()
-        self._waiter = waiter
-        try:
-            await waiter
-        finally:
-            self._waiter = None
-        if self._error is not None:
-            raise self._error
+        waiter = self._waiter = self._loop.create_future()
+        return waiter
 
     def _wake(self) -> None:
         waiter = self._waiter
@@ -274,7 +272,7 @@ class Upstream:
         self._loop = asyncio.get_running_loop()
         self._connect_timeout = settings.connect_timeout
         self._slot_count = settings.upstream_max_connections
-        self._slots = asyncio.Semaphore(self._slot_count)
+        self._slots = Slots(self._loop, self._slot_count)
         self._pools: dict[Address, _Pool] = {}
         self._pruner: asyncio.Task[None] | None = None
 
@@ -295,7 +293,7 @@ class Upstream:
     @property
     def congested(self) -> bool:
         """Every upstream slot is taken: a new exchange would wait for one."""
-        return self._slots.locked()
+        return self._slots.all_taken()
 
     async def post(
         self, address: Address, path: str, body: bytes, headers: Mapping[str, str], limit: int
@@ -327,15 +325,12 @@ class Upstream:
         """
         return _Exchange(self, address, _request_head(method, address, path, body, headers), body)
 
-    async def _take_slot(self) -> None:
+    async def _wait_for_slot(self) -> None:
         # Waiting for a free slot is the proxy's own congestion, not the instance's: it gets
         # its own bound and its own error kind, so no instance is blamed for it.
-        if not self._slots.locked():
-            await self._slots.acquire()
-            return
         try:
             async with asyncio.timeout(self._connect_timeout):
-                await self._slots.acquire()
+                await self._slots.take()
         except TimeoutError:
             raise UpstreamError(
                 "saturated",
@@ -423,11 +418,12 @@ class _Exchange:
 
     async def __aenter__(self) -> Stream:
         upstream = self._upstream
-        await upstream._take_slot()
+        if not upstream._slots.try_take():
+            await upstream._wait_for_slot()
         try:
             self._connection = await upstream._exchange(self._address, self._head, self._body)
         except BaseException:
-            upstream._slots.release()
+            upstream._slots.give_back()
             raise
         return Stream(self._connection)
 
@@ -441,7 +437,7 @@ class _Exchange:
                 connection.recycle(upstream._loop.time())
                 upstream._pools.setdefault(self._address, _Pool()).idle.append(connection)
         finally:
-            upstream._slots.release()
+            upstream._slots.give_back()
 
 
 def _request_head(
