@@ -65,10 +65,13 @@ class Deadline:
         # Four of these per request: arming is written out here rather than going through
         # reschedule() and _arm() (a Python call costs about as much as the timer itself).
         self._cancelling = self._task.cancelling()
+        if self._handle is not None:
+            self._handle.cancel()  # armed by a reschedule() before the block
         when = self._when
         if when is not None:
             self._armed_at = when
-            # A time already past fires on the loop's next iteration, as call_soon would.
+            # A time already past fires at the loop's next look at its timers (the settings'
+            # timeouts are all above zero).
             self._handle = self._loop.call_at(when, self._fire)
         return self
 

@@ -159,6 +159,8 @@ class _Connection(asyncio.Protocol):
     async def wait_headers(self) -> None:
         while not self._headers_done:
             await self._wait()
+            if self._error is not None:
+                raise self._error  # also when the head came in the same read as the failure
 
     async def next_chunk(self) -> bytes:
         while True:
@@ -172,6 +174,8 @@ class _Connection(asyncio.Protocol):
             if self._complete:
                 return b""
             await self._wait()
+            if self._error is not None:
+                raise self._error  # buffered bytes of a failed answer are not relayed
 
     def _drain(self) -> bytes:
         chunk = b"".join(self._chunks)
@@ -193,8 +197,8 @@ class _Connection(asyncio.Protocol):
 
     def _wait(self) -> asyncio.Future[None]:
         """A future for the next event (headers, body, end, failure); raises the failure, if
-        there is one. Not a coroutine: the waiting loops await the future itself, one frame
-        less to resume per event. A failure wakes them, and their next call raises it."""
+        there is one. Not a coroutine: the waiting loops await the future itself (one frame
+        less to resume per event) and look for a failure when it is done."""
         if self._error is not None:
             raise self._error
         waiter = self._waiter = self._loop.create_future()

@@ -267,6 +267,29 @@ def test_malformed_answer_is_a_protocol_error() -> None:
     asyncio.run(scenario())
 
 
+def test_a_failure_in_the_same_read_as_the_head_fails_the_head() -> None:
+    # Before anything relies on the status (a decode leg's answer counts as given once its
+    # head is in, and is then never retried), however TCP splits the bytes.
+    async def junk_behind(reader: asyncio.StreamReader, writer: asyncio.StreamWriter) -> None:
+        await read_request(reader)
+        writer.write(answer(b"hello") + b"THIS IS NOT HTTP\r\n\r\n")
+        await writer.drain()
+        await reader.read()
+
+    async def scenario() -> None:
+        async with Server(junk_behind) as server:
+
+            async def head(client: Upstream) -> None:
+                async with client.stream("POST", server.address, "/", b"{}", HEADERS):
+                    pass
+
+            with pytest.raises(UpstreamError) as caught:
+                await with_client(head)
+            assert caught.value.kind == "protocol"
+
+    asyncio.run(scenario())
+
+
 def test_answer_over_limit() -> None:
     async def scenario() -> None:
         async with Server(keep_alive_echo) as server:

@@ -176,3 +176,16 @@ def test_random_hex_is_fresh_hex_of_the_asked_length() -> None:
     assert all(len(i) == 32 and int(i, 16) >= 0 for i in ids)
     assert len(set(ids)) == len(ids)
     assert len(source.hex(5000)) == 10000  # more than one refill at once
+
+
+def test_a_bound_set_before_the_block_leaves_no_timer_behind() -> None:
+    async def body() -> None:
+        task = await this_task()
+        deadline = Deadline(task, 5)
+        deadline.reschedule(task.get_loop().time() + 0.02)  # arms a timer before the block
+        with deadline:
+            pass
+        await asyncio.sleep(0.1)  # a timer left armed would cancel this task here
+        assert not deadline.expired()
+
+    run(body())
