@@ -86,11 +86,24 @@ def test_stopped_vllm_server_leaves_the_registry_within_the_ttl(
         proxy.stop()
 
 
-def _busy(stack: RealStack, stop: threading.Event, errors: list[BaseException]) -> None:
-    """Keep one long generation running on P, straight to vLLM (not through the proxy)."""
+BARRIER_TIMEOUT_S = 60.0  # one generation of 1,500 tokens takes seconds here
+
+
+def _busy(
+    stack: RealStack,
+    stop: threading.Event,
+    together: threading.Barrier,
+    errors: list[BaseException],
+) -> None:
+    """Keep one long generation running on P, straight to vLLM (not through the proxy).
+
+    The generations start together, round after round: started independently they drifted
+    into taking turns on this 2-core machine (the second client thread starved while the first
+    streamed), so vLLM never ran two at once for long enough to be reported."""
     client = openai.OpenAI(base_url=f"{stack.prefill.url}/v1", api_key="x", max_retries=0)
     try:
         while not stop.is_set():
+            together.wait(BARRIER_TIMEOUT_S)
             stream = client.completions.create(
                 model=MODEL_NAME,
                 prompt="Keep going",
@@ -102,8 +115,13 @@ def _busy(stack: RealStack, stop: threading.Event, errors: list[BaseException]) 
                 if stop.is_set():
                     stream.close()
                     break
+    except threading.BrokenBarrierError:
+        if not stop.is_set():  # broken by the test on its way out: not a failure
+            errors.append(AssertionError("the other generation never came back to start"))
     except BaseException as exc:
         errors.append(exc)
+    finally:
+        together.abort()  # whoever waits for this thread's next round would wait in vain
 
 
 def test_announce_sidecar_reports_real_vllm_load(real_stack: RealStack, tmp_path: Path) -> None:
@@ -141,7 +159,10 @@ def test_announce_sidecar_reports_real_vllm_load(real_stack: RealStack, tmp_path
     )
     stop = threading.Event()
     errors: list[BaseException] = []
-    workers = [threading.Thread(target=_busy, args=(real_stack, stop, errors)) for _ in range(2)]
+    together = threading.Barrier(2)
+    workers = [
+        threading.Thread(target=_busy, args=(real_stack, stop, together, errors)) for _ in range(2)
+    ]
 
     def announced() -> dict[str, Any]:
         return next((i for i in proxy.instances() if i["http_address"] == server.http_address), {})
