@@ -62,17 +62,11 @@ class Deadline:
         return self._expired
 
     def __enter__(self) -> Deadline:
-        # Four of these per request: arming is written out here rather than going through
-        # reschedule() and _arm() (a Python call costs about as much as the timer itself).
         self._cancelling = self._task.cancelling()
-        if self._handle is not None:
-            self._handle.cancel()  # armed by a reschedule() before the block
-        when = self._when
-        if when is not None:
-            self._armed_at = when
-            # A time already past fires at the loop's next look at its timers (the settings'
-            # timeouts are all above zero).
-            self._handle = self._loop.call_at(when, self._fire)
+        if self._when is not None:
+            # _arm directly, not through reschedule(): four of these per request, and a timer
+            # already armed by a reschedule() before the block is re-armed, not kept.
+            self._arm(self._when)
         return self
 
     def __exit__(

@@ -8,6 +8,7 @@ speak HTTP to it with http.client and with raw sockets where the byte layout mat
 from __future__ import annotations
 
 import asyncio
+import contextlib
 import http.client
 import re
 import socket
@@ -224,8 +225,8 @@ class Served:
         self.state = state
         self.writes: list[bytes] = []
 
-    def connect(self) -> http.client.HTTPConnection:
-        return http.client.HTTPConnection(HOST, self.port, timeout=10)
+    def connect(self) -> contextlib.closing[http.client.HTTPConnection]:
+        return contextlib.closing(http.client.HTTPConnection(HOST, self.port, timeout=10))
 
     def raw(self) -> socket.socket:
         return socket.create_connection((HOST, self.port), timeout=10)
@@ -311,8 +312,7 @@ def _read_to_close(sock: socket.socket, timeout: float = 5.0) -> bytes:
 
 
 def test_keep_alive_serves_many_requests_on_one_connection(served: Served) -> None:
-    connection = served.connect()
-    try:
+    with served.connect() as connection:
         for index in range(5):
             body = b"payload %d" % index
             connection.request("POST", f"/echo?n={index}", body=body)
@@ -320,8 +320,6 @@ def test_keep_alive_serves_many_requests_on_one_connection(served: Served) -> No
             assert response.status == 200
             assert response.getheader("date") == "Wed, 25 Nov 2026 12:00:00 GMT"
             assert response.read() == b"POST /echo n=%d|%s" % (index, body)
-    finally:
-        connection.close()
     # Counted on the server's thread just after the last write: the client may be quicker.
     deadline = time.monotonic() + 5
     while served.state.total_requests < 5 and time.monotonic() < deadline:
@@ -338,46 +336,34 @@ def test_answer_with_known_length_leaves_in_one_segment(served: Served) -> None:
 
 
 def test_percent_encoded_path_is_decoded(served: Served) -> None:
-    connection = served.connect()
-    try:
+    with served.connect() as connection:
         connection.request("GET", "/a%20b")
         assert connection.getresponse().read() == b"GET /a b |"
-    finally:
-        connection.close()
 
 
 def test_chunked_request_body_is_reassembled(served: Served) -> None:
-    connection = served.connect()
-    try:
+    with served.connect() as connection:
         connection.request("POST", "/echo", body=iter([b"ab", b"cd", b"ef"]))
         response = connection.getresponse()
         assert response.read() == b"POST /echo |abcdef"
-    finally:
-        connection.close()
 
 
 def test_large_request_body_arrives_intact(served: Served) -> None:
     body = bytes(range(256)) * 8192  # 2 MiB: reading pauses and resumes on the way
-    connection = served.connect()
-    try:
+    with served.connect() as connection:
         connection.request("POST", "/echo", body=body)
         answer = connection.getresponse().read()
         assert answer == b"POST /echo |" + body
-    finally:
-        connection.close()
 
 
 def test_streamed_answer_is_chunked(served: Served) -> None:
-    connection = served.connect()
-    try:
+    with served.connect() as connection:
         connection.request("GET", "/stream")
         response = connection.getresponse()
         assert response.getheader("transfer-encoding") == "chunked"
         assert response.read() == b"".join(b"data: %d\n\n" % index for index in range(5))
         connection.request("GET", "/echo")  # the connection is still usable
         assert connection.getresponse().read() == b"GET /echo |"
-    finally:
-        connection.close()
 
 
 def test_head_gets_headers_without_body(served: Served) -> None:
@@ -466,27 +452,21 @@ def test_requests_closer_than_the_idle_period_keep_the_connection(served: Served
 
 
 def test_application_error_before_answer_is_500(served: Served) -> None:
-    connection = served.connect()
-    try:
+    with served.connect() as connection:
         connection.request("GET", "/boom")
         response = connection.getresponse()
         assert response.status == 500
         assert response.read() == b"Internal Server Error"
         assert response.getheader("connection") == "close"
-    finally:
-        connection.close()
 
 
 def test_application_error_mid_answer_closes_the_connection(served: Served) -> None:
-    connection = served.connect()
-    try:
+    with served.connect() as connection:
         connection.request("GET", "/late-boom")
         response = connection.getresponse()
         assert response.status == 200
         with pytest.raises(http.client.IncompleteRead):
             response.read()  # no final chunk: the client can tell the answer is cut
-    finally:
-        connection.close()
 
 
 def test_forged_header_value_is_refused(served: Served) -> None:
@@ -626,12 +606,9 @@ def test_system_exit_in_a_request_does_not_end_the_server(served: Served) -> Non
     with served.raw() as sock:
         sock.sendall(b"GET /exit HTTP/1.1\r\nHost: x\r\n\r\n")
         assert _read_response(sock).startswith(b"HTTP/1.1 500 ")
-    connection = served.connect()
-    try:
+    with served.connect() as connection:
         connection.request("GET", "/echo")
         assert connection.getresponse().read() == b"GET /echo |"
-    finally:
-        connection.close()
 
 
 def test_answer_before_an_announced_body_closes_the_connection(served: Served) -> None:
