@@ -41,7 +41,7 @@ from bench_proxy import (
 from bench_proxy import _free_ports as free_ports
 from bench_proxy import _wait_http_ok as wait_http_ok
 
-START_TIMEOUT_S = 300.0  # the proxy starts under callgrind: its imports alone take a minute
+START_TIMEOUT_S = 300.0  # start-up under callgrind: seconds here, far more on a loaded box
 CONTROL_TIMEOUT_S = 60.0
 
 
