@@ -85,7 +85,11 @@ from pdproxy.testing.stream_crowd import (
     sse_event_count,
 )
 
-ROUTERS = ("pdproxy", "vllm-router", "sglang-router")
+ROUTERS = ("pdproxy", "pdproxy-compiled", "vllm-router", "sglang-router")
+PDPROXIES = ("pdproxy", "pdproxy-compiled")
+DEFAULT_ROUTERS = ("pdproxy", "vllm-router", "sglang-router")
+# `make compiled`: a copy of the checkout with the hot path compiled by mypyc (setup.py).
+COMPILED_TREE = REPO_ROOT / "build" / "compiled"
 BASELINE = "vllm-router"  # ratios are against this router
 MODEL = "bench"
 PDPROXY_DEFAULT_MAX_INFLIGHT = 10_000  # pdproxy's --max-inflight-requests default
@@ -190,6 +194,28 @@ class Backends:
         }
 
 
+def pdproxy_launcher(name: str, python: str) -> list[str]:
+    """`python -m pdproxy` of this checkout, or of its compiled copy (-P: the benchmark's
+    children run in the checkout, whose directory would otherwise come first on sys.path)."""
+    if name == "pdproxy":
+        return [python, "-m", "pdproxy"]
+    return ["env", f"PYTHONPATH={COMPILED_TREE}", python, "-P", "-m", "pdproxy"]
+
+
+def check_compiled_tree(python: str) -> str:
+    """The compiled copy's build description; BenchError when it is missing or not compiled."""
+    argv = [*pdproxy_launcher("pdproxy-compiled", python), "--version"]
+    try:
+        out = subprocess.run(
+            argv, cwd=REPO_ROOT, capture_output=True, text=True, timeout=60, check=True
+        ).stdout.strip()
+    except (OSError, subprocess.SubprocessError) as exc:
+        raise BenchError(f"{shlex.join(argv)} failed: {exc}") from None
+    if "compiled with mypyc" not in out:
+        raise BenchError(f"{COMPILED_TREE} is not a compiled build ({out!r}): run `make compiled`")
+    return out
+
+
 def router_argv(
     name: str, args: argparse.Namespace, env: RouterEnv | None, backends: Backends, ports: list[int]
 ) -> list[str]:
@@ -198,9 +224,9 @@ def router_argv(
     prefill_url = f"http://{HOST}:{backends.prefill_port}"
     decode_url = f"http://{HOST}:{backends.decode_port}"
     wanted_streams = 0 if args.skip_idle else args.idle_streams + SLOT_HEADROOM
-    if name == "pdproxy":
+    if name in PDPROXIES:
         argv = [
-            args.python, "-m", "pdproxy", "serve",
+            *pdproxy_launcher(name, args.python), "serve",
             "--host", HOST,
             "--port", port,
             "--registry-bind", f"tcp://{HOST}:{ports[1]}",
@@ -244,7 +270,7 @@ def router_argv(
 
 
 def ready_path(name: str) -> str:
-    return "/ready" if name == "pdproxy" else "/readiness"
+    return "/ready" if name in PDPROXIES else "/readiness"
 
 
 def start_backends(group: ProcessGroup, pin: Pinning, python: str, owner: str) -> Backends:
@@ -627,7 +653,9 @@ def run_bench(args: argparse.Namespace) -> dict[str, Any]:
         args.idle_streams = fitting
     env: RouterEnv | None = None
     versions: dict[str, str] = {}
-    if any(r != "pdproxy" for r in args.routers):
+    if "pdproxy-compiled" in args.routers:
+        print(f"pdproxy-compiled: {check_compiled_tree(args.python)}", flush=True)
+    if any(r not in PDPROXIES for r in args.routers):
         env = (
             RouterEnv(Path(args.routers_venv), pins=args.pins)
             if args.routers_venv
@@ -855,8 +883,9 @@ def parse_args(argv: list[str] | None) -> argparse.Namespace:
     add("--warmup", type=float, default=2.0, help="unmeasured seconds per load run (default 2)")
     add("--concurrency", type=positive_ints, default=[1, 64, 256],
         help="non-streaming connection counts (default 1,64,256)")  # fmt: skip
-    add("--routers", type=_csv_routers, default=list(ROUTERS),
-        help=f"routers to run, in order (default {','.join(ROUTERS)})")  # fmt: skip
+    add("--routers", type=_csv_routers, default=list(DEFAULT_ROUTERS),
+        help=f"routers to run, in order, among {','.join(ROUTERS)} (default "
+        f"{','.join(DEFAULT_ROUTERS)}; pdproxy-compiled needs `make compiled` first)")  # fmt: skip
     add("--stream-tokens", type=positive_int, default=256, help="SSE events per streamed answer")
     add(
         "--stream-interval-ms",

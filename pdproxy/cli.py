@@ -3,10 +3,12 @@
 from __future__ import annotations
 
 import argparse
+import logging
 import sys
 from collections.abc import Sequence
 
 from pdproxy import __version__
+from pdproxy.compiled import build_description
 from pdproxy.config import ConfigError, Settings, add_settings_arguments, load_settings
 from pdproxy.logs import configure_logging
 from pdproxy.proxy.tracing import TracingUnavailable, check_available
@@ -16,6 +18,7 @@ def serve(settings: Settings) -> int:
     from pdproxy.proxy.credentials import Credentials, CredentialsError
 
     configure_logging(settings.log_level, settings.log_format)
+    logging.getLogger("pdproxy").info("pdproxy %s, %s", __version__, build_description())
     raise_descriptor_limit()
     try:
         # Read before anything binds: a missing key file fails the start, not a request.
@@ -37,7 +40,6 @@ def serve(settings: Settings) -> int:
 def raise_descriptor_limit() -> None:
     """Each held stream needs two descriptors (client and decode leg): take all the process
     may have, and say what that allows."""
-    import logging
     import resource
 
     soft, hard = resource.getrlimit(resource.RLIMIT_NOFILE)
@@ -73,7 +75,9 @@ def build_parser() -> argparse.ArgumentParser:
         prog="pdproxy",
         description="Front door for prefill/decode-disaggregated vLLM fleets.",
     )
-    parser.add_argument("--version", action="version", version=f"pdproxy {__version__}")
+    parser.add_argument(
+        "--version", action="version", version=f"pdproxy {__version__} ({build_description()})"
+    )
     commands = parser.add_subparsers(dest="command", required=True, metavar="COMMAND")
     serve_parser = commands.add_parser(
         "serve",

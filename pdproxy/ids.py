@@ -102,8 +102,9 @@ def make_address(host: str, port: int) -> Address:
     return Address(host, port)
 
 
-def parse_address(text: str) -> Address:
-    """Parse and validate "host:port"."""
+def parse_address(text: object) -> Address:
+    """Parse and validate "host:port". Takes any object: it also checks what registry messages
+    and configuration files carry."""
     if not isinstance(text, str):
         raise AddressError(f"address must be a string 'host:port', got {type(text).__name__}")
     host, sep, port_text = text.rpartition(":")

@@ -203,7 +203,8 @@ class HttpProtocol(asyncio.Protocol):
         self._head_began = None
         parser = self._parser
         version = parser.get_http_version()
-        url = httptools.parse_url(self._url)
+        # Any: httptools' stub types `query` as bytes, and it is None when there is none.
+        url: Any = httptools.parse_url(self._url)
         raw_path: bytes = url.path
         path = raw_path.decode("ascii")
         if "%" in path:

@@ -211,11 +211,31 @@ class CountedWrites:
         return getattr(self._transport, name)
 
 
-class CountingProtocol(HttpProtocol):
-    writes: list[bytes]
+class CountingProtocol(asyncio.Protocol):
+    """The server's protocol with its transport's writes counted. A wrapper, not a subclass:
+    the compiled build's HttpProtocol cannot be subclassed by interpreted code."""
+
+    def __init__(self, inner: HttpProtocol, writes: list[bytes]) -> None:
+        self._inner = inner
+        self._writes = writes
 
     def connection_made(self, transport: asyncio.BaseTransport) -> None:
-        super().connection_made(CountedWrites(transport, self.writes))  # type: ignore[arg-type]
+        self._inner.connection_made(CountedWrites(transport, self._writes))  # type: ignore[arg-type]
+
+    def data_received(self, data: bytes) -> None:
+        self._inner.data_received(data)
+
+    def eof_received(self) -> bool | None:
+        return self._inner.eof_received()
+
+    def connection_lost(self, exc: Exception | None) -> None:
+        self._inner.connection_lost(exc)
+
+    def pause_writing(self) -> None:
+        self._inner.pause_writing()
+
+    def resume_writing(self) -> None:
+        self._inner.resume_writing()
 
 
 class Served:
@@ -247,9 +267,7 @@ def served(request: pytest.FixtureRequest) -> Iterator[Served]:
     writes: list[bytes] = []
 
     def protocol() -> CountingProtocol:
-        connection = CountingProtocol(config, state, {}, loop)
-        connection.writes = writes
-        return connection
+        return CountingProtocol(HttpProtocol(config, state, {}, loop), writes)
 
     async def start() -> None:
         server = await loop.create_server(protocol, HOST, 0, reuse_address=True)

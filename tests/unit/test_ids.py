@@ -351,7 +351,7 @@ def test_parse_address_refuses_bad_ports(text: str, message: str) -> None:
 @pytest.mark.parametrize("value", [None, 8100, b"10.0.0.1:8100", ("10.0.0.1", 8100)])
 def test_parse_address_refuses_non_strings(value: object) -> None:
     with pytest.raises(AddressError, match="must be a string"):
-        parse_address(value)  # type: ignore[arg-type]
+        parse_address(value)
 
 
 @pytest.mark.parametrize(

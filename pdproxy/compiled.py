@@ -1,0 +1,55 @@
+"""Which modules the compiled build compiles, and which of them this process runs compiled.
+
+The default install is pure Python. `PDPROXY_COMPILE=1` (setup.py) compiles the modules below
+with mypyc: the request path from the accepted connection to the relayed answer, and the pure
+decisions it makes on the way (ids, pairing, outlier state). Everything else (start-up, the
+registry, the CLI, the worker side) stays interpreted: it is not where requests spend their time.
+"""
+
+from __future__ import annotations
+
+import importlib.machinery
+import importlib.util
+
+# Dotted names. mypyc cannot compile async generators (proxy/app.py has one).
+COMPILED_MODULES = (
+    "pdproxy.ids",
+    "pdproxy.pairing.candidates",
+    "pdproxy.pairing.inflight",
+    "pdproxy.pairing.planner",
+    "pdproxy.pairing.prefix_cache",
+    "pdproxy.pairing.scoreboard",
+    "pdproxy.proxy.admission",
+    "pdproxy.proxy.completions",
+    "pdproxy.proxy.deadline",
+    "pdproxy.proxy.dispatch",
+    "pdproxy.proxy.exchange",
+    "pdproxy.proxy.http_protocol",
+    "pdproxy.proxy.prompt",
+    "pdproxy.proxy.random_ids",
+    "pdproxy.proxy.request",
+    "pdproxy.proxy.rotation",
+    "pdproxy.proxy.slots",
+    "pdproxy.proxy.upstream",
+    "pdproxy.reliability.outlier",
+)
+
+
+def compiled_modules() -> list[str]:
+    """The modules of COMPILED_MODULES that import from an extension module (found without
+    importing them)."""
+    suffixes = tuple(importlib.machinery.EXTENSION_SUFFIXES)
+    compiled = []
+    for name in COMPILED_MODULES:
+        spec = importlib.util.find_spec(name)
+        if spec is not None and spec.origin is not None and spec.origin.endswith(suffixes):
+            compiled.append(name)
+    return compiled
+
+
+def build_description() -> str:
+    """How this process's pdproxy is built, for --version and the start-up log."""
+    count = len(compiled_modules())
+    if count == 0:
+        return "pure Python"
+    return f"compiled with mypyc: {count} of {len(COMPILED_MODULES)} hot-path modules"
