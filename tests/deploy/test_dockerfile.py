@@ -17,6 +17,7 @@ import helm_python as helm
 import pytest
 
 from pdproxy import __version__
+from pdproxy.compiled import COMPILED_MODULES
 from pdproxy.config import Settings
 from pdproxy.testing.processes import LOOPBACK, ManagedProcess, free_ports, wait_http_ok
 from tests.deploy.support import CHART, REPO, Stage, key_values, read_dockerfile
@@ -61,10 +62,13 @@ def test_hadolint_really_lints(tmp_path: Path) -> None:
 # ---- shape -------------------------------------------------------------------------------------
 
 
-def test_two_stages_on_slim_python_311() -> None:
+def test_two_stages_on_python_311_slim_at_run_time() -> None:
     assert [s.name for s in STAGES] == ["build", "runtime"]
-    assert re.fullmatch(r"python:3\.11-slim(-\w+)?", GLOBAL_ARGS["PYTHON_IMAGE"])
-    assert all(s.base == "${PYTHON_IMAGE}" for s in STAGES)
+    runtime = re.fullmatch(r"python:3\.11-slim(-(\w+))?", GLOBAL_ARGS["PYTHON_IMAGE"])
+    assert runtime is not None
+    # The build stage compiles: the full image of the same Python and Debian release.
+    assert GLOBAL_ARGS["BUILD_IMAGE"] == f"python:3.11{'-' + runtime[2] if runtime[2] else ''}"
+    assert [s.base for s in STAGES] == ["${BUILD_IMAGE}", "${PYTHON_IMAGE}"]
     # The runtime stage installs nothing: it only takes the built venv.
     assert [i.text for i in RUNTIME.get("COPY")] == ["--from=build /opt/pdproxy /opt/pdproxy"]
     assert not any("pip" in i.text for i in RUNTIME.get("RUN"))
@@ -134,7 +138,13 @@ def in_context(path: str) -> bool:
 
 
 def test_dockerignore_keeps_only_the_package() -> None:
-    for kept in ("pyproject.toml", "README.md", "pdproxy/cli.py", "pdproxy/proxy/app.py"):
+    for kept in (
+        "pyproject.toml",
+        "README.md",
+        "setup.py",
+        "pdproxy/cli.py",
+        "pdproxy/proxy/app.py",
+    ):
         assert in_context(kept), kept
     for dropped in (
         ".git/config",
@@ -263,7 +273,7 @@ def installed(tmp_path_factory: pytest.TempPathFactory) -> Path:
 
 
 @pytest.mark.timeout(600)
-def test_installed_pdproxy_runs_without_torch(installed: Path) -> None:
+def test_installed_pdproxy_is_compiled_and_runs_without_torch(installed: Path) -> None:
     python = installed / "bin" / "python"
     assert installed.joinpath("bin", "pdproxy").exists()
     help_text = subprocess.run(
@@ -274,6 +284,15 @@ def test_installed_pdproxy_runs_without_torch(installed: Path) -> None:
         check=True,
     ).stdout
     assert "--registry-bind" in help_text and "--upstream-api-key" in help_text
+    version = subprocess.run(
+        [str(installed / "bin" / "pdproxy"), "--version"],
+        capture_output=True,
+        text=True,
+        timeout=60,
+        check=True,
+    ).stdout
+    count = len(COMPILED_MODULES)
+    assert f"compiled with mypyc: {count} of {count} hot-path modules" in version, version
     probe = (
         "import importlib.util as u, importlib.metadata as m, json, pdproxy; "
         "print(json.dumps([u.find_spec('torch') is None, pdproxy.__file__, "
@@ -292,6 +311,7 @@ def test_installed_pdproxy_runs_without_torch(installed: Path) -> None:
     assert no_torch, "torch is importable in the image's venv"
     assert location.startswith(str(installed)), "pdproxy was not imported from the fresh venv"
     assert not [d for d in dists if d == "torch" or d.startswith(("nvidia-", "triton"))]
+    assert "mypy" not in dists, "the compiler's venv leaked into the image's"
     for required in ("pdproxy", "fastapi", "uvicorn", "pyzmq", "aiohttp", "prometheus-client"):
         assert required in dists
 
