@@ -25,7 +25,6 @@ from __future__ import annotations
 import asyncio
 import http
 import logging
-import re
 import urllib.parse
 from collections import deque
 from collections.abc import Callable, Mapping
@@ -54,12 +53,15 @@ MAX_PIPELINED = 16
 # incomplete one idle timeout after it began.
 MAX_HEAD_BYTES = 65536
 
-# A response header name is a token (RFC 9110); checked on all names at once.
-_NOT_TOKEN = re.compile(rb"[^!#$%&'*+\-.^_`|~0-9A-Za-z]")
+# The checks of a response head delete what is allowed (bytes.translate, one C pass: a
+# regular expression's search costs about three times as much) and refuse what is left.
+# A header name is a token (RFC 9110); checked on all names at once.
+_TOKEN = b"!#$%&'*+-.^_`|~0123456789ABCDEFGHIJKLMNOPQRSTUVWXYZabcdefghijklmnopqrstuvwxyz"
 _CONTINUE = b"HTTP/1.1 100 Continue\r\n\r\n"
 _LAST_CHUNK = b"0\r\n\r\n"
-# Control characters other than the CR LF that end each line (tab is allowed in values).
-_CONTROL = re.compile(rb"[\x00-\x08\x0b\x0c\x0e-\x1f\x7f]")
+# Anything but control characters; the CR LF that end each line are counted apart and tab is
+# allowed in values.
+_NOT_CONTROL = bytes(b for b in range(256) if b in b"\t\n\r" or 0x20 <= b < 0x7F or b > 0x7F)
 
 
 def _status_lines() -> Mapping[int, bytes]:
@@ -565,7 +567,7 @@ class _Cycle:
                 has_close = True
                 self.keep_alive = False
             lines.append(b"%s: %s\r\n" % (name, value))
-        if _NOT_TOKEN.search(b"".join(names)):
+        if b"".join(names).translate(None, _TOKEN):
             raise RuntimeError("invalid HTTP header name")
         if chunked and length is not None:
             raise RuntimeError("a response cannot have both content-length and chunked encoding")
@@ -583,7 +585,7 @@ class _Cycle:
         # Each line ends in the one CRLF put there, and nothing else is a control character:
         # a value with CR, LF or NUL could forge headers of its own.
         lines_ended = head.count(b"\n") == len(lines) == head.count(b"\r")
-        if not lines_ended or _CONTROL.search(head):
+        if not lines_ended or head.translate(None, _NOT_CONTROL):
             raise RuntimeError("invalid HTTP header value")
         self.started = True
         self._chunked = chunked
