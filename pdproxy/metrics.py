@@ -18,6 +18,7 @@ from __future__ import annotations
 
 import contextlib
 import os
+import time
 from collections.abc import Callable, Iterable, Mapping
 
 from prometheus_client import CollectorRegistry, Counter, Gauge, Histogram
@@ -26,6 +27,7 @@ from prometheus_client.exposition import CONTENT_TYPE_LATEST, generate_latest
 from prometheus_client.multiprocess import MultiProcessCollector
 from prometheus_client.registry import Collector
 
+from pdproxy.local_metrics import LocalCounter, LocalGauge, LocalHistogram
 from pdproxy.multiprocess.paths import METRICS_DIR_VARIABLE
 from pdproxy.pairing.planner import Unpaired
 from pdproxy.registry.kv_stats import COUNTED_OUTCOMES, TransferRecord
@@ -106,31 +108,41 @@ class Metrics:
             self.exposed = CollectorRegistry()
             MultiProcessCollector(self.exposed, directory)  # type: ignore[no-untyped-call]
         r = self.registry
+        # The metrics every request updates (requests, the three latencies, admitted): with
+        # several workers prometheus_client's values, which go to the shared files; in one
+        # process lock-free local values (local_metrics.py), registered in their place, and the
+        # definitions below, unregistered, only say what they are.
+        hot = r if shared else None
         self.requests = Counter(
             "pdproxy_requests",
             "Client requests answered, by endpoint and HTTP status code.",
             ["endpoint", "status"],
-            registry=r,
+            registry=hot,
         )
         self.request_duration = Histogram(
             "pdproxy_request_duration_seconds",
             "End-to-end latency of client requests, until the last byte is sent.",
             ["endpoint"],
             buckets=_LATENCY_BUCKETS,
-            registry=r,
+            registry=hot,
         )
         self.prefill_duration = Histogram(
             "pdproxy_prefill_duration_seconds",
             "Latency of the prefill leg (max_tokens=1), read to the end.",
             buckets=_LATENCY_BUCKETS,
-            registry=r,
+            registry=hot,
         )
         self.decode_first_byte = Histogram(
             "pdproxy_decode_first_byte_seconds",
             "Time from sending the decode leg to its first body byte.",
             buckets=_LATENCY_BUCKETS,
-            registry=r,
+            registry=hot,
         )
+        self._local: _LocalValues | None = None
+        if not shared:
+            self._local = _LocalValues(self)
+            for family in self._local.first:
+                r.register(family)
         # Legs in flight. Several workers must each write theirs to the shared files: a gauge.
         # In one process a collector reads the leg counts at scrape time instead (a gauge's inc
         # and dec on every leg cost more than the counting); the gauge, unregistered, still
@@ -193,9 +205,12 @@ class Metrics:
         self.admitted = Gauge(
             "pdproxy_admitted_requests",
             "Completion requests admitted and not finished (capped by max_inflight_requests).",
-            registry=r,
+            registry=hot,
             multiprocess_mode="livesum",
         )
+        if self._local is not None:
+            self._local.admitted = LocalGauge(self.admitted)
+            r.register(self._local.admitted)
         self.queued = Gauge(
             "pdproxy_queued_requests",
             "Requests waiting for a slot or for an instance below its cap.",
@@ -279,6 +294,41 @@ class Metrics:
         if seconds:  # a zero duration has no bandwidth
             self.kv_transfer_bandwidth.labels(*pair).set(record.bytes / seconds)
 
+    # -- the updates of every request ---------------------------------------------------------
+
+    def count_request(self, endpoint: str, status: str) -> None:
+        if self._local is None:
+            self.requests.labels(endpoint, status).inc()
+        else:
+            self._local.requests.inc((endpoint, status))
+
+    def request_answered(self, endpoint: str, status: str, seconds: float) -> None:
+        """A completion request's answer: counted, and its latency observed."""
+        if self._local is None:
+            self.requests.labels(endpoint, status).inc()
+            self.request_duration.labels(endpoint).observe(seconds)
+        else:
+            self._local.requests.inc((endpoint, status))
+            self._local.request_duration.series((endpoint,)).observe(seconds)
+
+    def prefill_done(self, seconds: float) -> None:
+        if self._local is None:
+            self.prefill_duration.observe(seconds)
+        else:
+            self._local.prefill.observe(seconds)
+
+    def decode_first_byte_seen(self, seconds: float) -> None:
+        if self._local is None:
+            self.decode_first_byte.observe(seconds)
+        else:
+            self._local.decode_first_byte.observe(seconds)
+
+    def set_admitted(self, count: int) -> None:
+        if self._local is None:
+            self.admitted.set(count)
+        else:
+            self._local.admitted.set(count)
+
     def leg_started(self, role: str, instance: str) -> None:
         key = (role, instance)
         legs = self._legs.get(key)
@@ -344,6 +394,21 @@ class Metrics:
 
     def render(self) -> bytes:
         return generate_latest(self.exposed)
+
+
+class _LocalValues:
+    """The local values of the metrics every request updates (one process only)."""
+
+    def __init__(self, metrics: Metrics) -> None:
+        self.requests = LocalCounter(metrics.requests, time.time)
+        self.request_duration = LocalHistogram(metrics.request_duration, time.time)
+        prefill = LocalHistogram(metrics.prefill_duration, time.time)
+        decode_first_byte = LocalHistogram(metrics.decode_first_byte, time.time)
+        self.prefill = prefill.series(())
+        self.decode_first_byte = decode_first_byte.series(())
+        # Registered in the order of their definitions; the admitted gauge comes later.
+        self.first = (self.requests, self.request_duration, prefill, decode_first_byte)
+        self.admitted: LocalGauge  # set once its definition exists
 
 
 class _Legs:

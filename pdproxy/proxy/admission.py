@@ -117,7 +117,7 @@ class Admission:
 
     def _admitted(self, change: int) -> None:
         self.active += change
-        self._metrics.admitted.set(self.active)
+        self._metrics.set_admitted(self.active)
 
     def _refused(self, reason: str) -> None:
         self._metrics.refused.labels(reason).inc()

@@ -256,7 +256,7 @@ class PdproxyApp:
         finally:
             if self._state is not None:
                 path = scope["path"] if scope["path"] in _COUNTED_PATHS else "other"
-                self._state.metrics.requests.labels(path, str(status)).inc()
+                self._state.metrics.count_request(path, str(status))
 
     async def _unauthorized(self, scope: Scope, send: Any) -> None:
         body = error_body(
@@ -279,7 +279,7 @@ class PdproxyApp:
             metrics.refused.labels("unauthorized").inc()
             path = scope["path"]
             counted = path if path in COMPLETION_PATHS or path in _COUNTED_PATHS else "other"
-            metrics.requests.labels(counted, "401").inc()
+            metrics.count_request(counted, "401")
 
 
 def _authorization(scope: Scope) -> str | None:

@@ -45,8 +45,7 @@ class CompletionsEndpoint:
         self._settings = settings
         self._dispatcher = dispatcher
         self._admission = admission
-        self._requests = metrics.requests
-        self._duration = metrics.request_duration.labels(path)
+        self._metrics = metrics
         self._access_log = settings.log_format == "json"
         # Built in the lifespan, on the loop that serves: current_task(loop) is then a dict
         # lookup, where current_task() first looks the loop up (a getpid() on Python 3.11).
@@ -98,8 +97,9 @@ class CompletionsEndpoint:
             exchange.stop_watching()
             status = CLIENT_CLOSED if exchange.client_gone else exchange.status
             elapsed = time.perf_counter() - started
-            self._requests.labels(self._path, _STATUS_TEXT.get(status) or str(status)).inc()
-            self._duration.observe(elapsed)
+            self._metrics.request_answered(
+                self._path, _STATUS_TEXT.get(status) or str(status), elapsed
+            )
             if self._access_log and access.isEnabledFor(logging.INFO):
                 self._log_access(exchange, status, elapsed, client_id)
             elif log.isEnabledFor(logging.DEBUG):

@@ -350,7 +350,7 @@ class Dispatcher:
             )
         notes = exchange.notes
         notes.prefill_seconds = time.perf_counter() - started
-        self._metrics.prefill_duration.observe(notes.prefill_seconds)
+        self._metrics.prefill_done(notes.prefill_seconds)
         if 200 <= reply.status < 300 or 400 <= reply.status < 500:
             # Counted as a success by the caller, once the answer proved usable.
             return reply
@@ -431,7 +431,7 @@ class Dispatcher:
 
     def _first_byte(self, exchange: Exchange, started: float) -> None:
         exchange.notes.decode_first_byte_seconds = time.perf_counter() - started
-        self._metrics.decode_first_byte.observe(exchange.notes.decode_first_byte_seconds)
+        self._metrics.decode_first_byte_seen(exchange.notes.decode_first_byte_seconds)
 
     def _leg(self, role: str, instance: Instance, what: str, limit: float) -> _LegWatch:
         """Count the leg in flight and turn its failures into 502s naming role and instance;
