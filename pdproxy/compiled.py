@@ -1,9 +1,10 @@
 """Which modules the compiled build compiles, and which of them this process runs compiled.
 
 The default install is pure Python. `PDPROXY_COMPILE=1` (setup.py) compiles the modules below
-with mypyc: the request path from the accepted connection to the relayed answer, and the pure
-decisions it makes on the way (ids, pairing, outlier state). Everything else (start-up, the
-registry, the CLI, the worker side) stays interpreted: it is not where requests spend their time.
+with mypyc: the request path from the accepted connection to the relayed answer, the decisions
+it makes on the way (ids, pairing and its policies, outlier state) and the metrics it updates.
+Everything else (start-up, the registry, the CLI, the worker side) stays interpreted: it is not
+where requests spend their time.
 """
 
 from __future__ import annotations
@@ -11,9 +12,21 @@ from __future__ import annotations
 import importlib.machinery
 import importlib.util
 
-# Dotted names. mypyc cannot compile async generators (proxy/app.py has one).
+# Dotted names. mypyc cannot compile async generators (proxy/app.py has one) nor subclasses of
+# most built-in exceptions (proxy/tracing.py has one).
 COMPILED_MODULES = (
     "pdproxy.ids",
+    "pdproxy.local_metrics",
+    "pdproxy.metrics",
+    "pdproxy.pairing.policies.base",
+    "pdproxy.pairing.policies.least_kv",
+    "pdproxy.pairing.policies.least_loaded",
+    "pdproxy.pairing.policies.power_of_two",
+    "pdproxy.pairing.policies.prefix_affinity",
+    "pdproxy.pairing.policies.round_robin",
+    "pdproxy.proxy.credentials",
+    "pdproxy.proxy.kv_params",
+    "pdproxy.proxy.trace_context",
     "pdproxy.pairing.candidates",
     "pdproxy.pairing.inflight",
     "pdproxy.pairing.planner",

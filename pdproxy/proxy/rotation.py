@@ -73,27 +73,32 @@ class Rotation:
 
     async def choose(self, features: RequestFeatures, avoid: frozenset[str]) -> Pair:
         """A pair, waiting (bounded) while every compatible instance is at its cap."""
-        with contextlib.ExitStack() as queued:
-            wait_until = None
+        pair = self._plan(features, avoid)
+        if pair is not None:
+            return pair
+        # Waiting for a busy instance takes a place in the one bounded queue.
+        with self._admission.queued():
+            wait_until = asyncio.get_running_loop().time() + self._settings.queue_timeout
             while True:
-                now = self._clock()
-                snapshot = self.snapshot(now)
-                excluded = self.out_of_rotation(now)
-                busy = self._planner.full
-                choice = self._planner.plan(
-                    snapshot, features, excluded=excluded, avoid=avoid, busy=busy
-                )
-                if isinstance(choice, Pair):
-                    return choice
-                # Wait only when the busy instances are what stands in the way.
-                blocked = self._planner.index(snapshot, excluded).view(features.model)
-                if not busy or blocked.prefills is None:
-                    raise self._unpaired(choice, excluded)
-                if wait_until is None:
-                    # Waiting for a busy instance takes a place in the one bounded queue.
-                    queued.enter_context(self._admission.queued())
-                    wait_until = asyncio.get_running_loop().time() + self._settings.queue_timeout
                 await self._wait_for_capacity(wait_until)
+                pair = self._plan(features, avoid)
+                if pair is not None:
+                    return pair
+
+    def _plan(self, features: RequestFeatures, avoid: frozenset[str]) -> Pair | None:
+        """A pair now, or None while busy instances are all that stands in the way; raises
+        when no compatible pair could serve even if they were free."""
+        now = self._clock()
+        snapshot = self.snapshot(now)
+        excluded = self.out_of_rotation(now)
+        busy = self._planner.full
+        choice = self._planner.plan(snapshot, features, excluded=excluded, avoid=avoid, busy=busy)
+        if isinstance(choice, Pair):
+            return choice
+        blocked = self._planner.index(snapshot, excluded).view(features.model)
+        if not busy or blocked.prefills is None:
+            raise self._unpaired(choice, excluded)
+        return None
 
     def choose_direct(self, features: RequestFeatures, avoid: frozenset[str]) -> Direct | None:
         now = self._clock()
