@@ -304,11 +304,10 @@ class Metrics:
 
     def request_answered(self, endpoint: str, status: str, seconds: float) -> None:
         """A completion request's answer: counted, and its latency observed."""
+        self.count_request(endpoint, status)
         if self._local is None:
-            self.requests.labels(endpoint, status).inc()
             self.request_duration.labels(endpoint).observe(seconds)
         else:
-            self._local.requests.inc((endpoint, status))
             self._local.request_duration.series((endpoint,)).observe(seconds)
 
     def prefill_done(self, seconds: float) -> None:
