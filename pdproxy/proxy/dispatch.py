@@ -226,7 +226,7 @@ class Dispatcher:
             if answer.status >= 400:
                 # vLLM refused the request (4xx): the client gets vLLM's own words.
                 self._answered_well(PREFILL, pair.prefill, prefill_began)
-                await exchange.whole(answer.status, answer.content_type.encode(), answer.body)
+                await exchange.whole(answer.status, answer.content_type, answer.body)
                 return
             with_params = uses_params(pair.connector)
             params = self._kv_params(pair.prefill, answer, prefill_began) if with_params else None
@@ -286,7 +286,7 @@ class Dispatcher:
         )
         if refusal is not None:
             # vLLM refused the request (4xx) before the decode answered: its own words.
-            await exchange.whole(refusal.status, refusal.content_type.encode(), refusal.body)
+            await exchange.whole(refusal.status, refusal.content_type, refusal.body)
 
     async def _serve_direct(
         self,
@@ -394,7 +394,7 @@ class Dispatcher:
                     body = await stream.read_all(settings.max_response_bytes)
                     if 400 <= stream.status < 500:
                         self._answered_well(DECODE, instance, wait.began)
-                        await exchange.whole(stream.status, stream.content_type.encode(), body)
+                        await exchange.whole(stream.status, stream.content_type, body)
                         return
                     raise self._leg_failed(
                         DECODE,
@@ -411,13 +411,13 @@ class Dispatcher:
                     self._first_byte(exchange, started)
                     deadline.reschedule(None)
                     self._answered_well(DECODE, instance, wait.began)
-                    await exchange.whole(stream.status, stream.content_type.encode(), body)
+                    await exchange.whole(stream.status, stream.content_type, body)
                     return
                 chunk = await stream.next_chunk()
                 wait.answered = bool(chunk)
                 self._first_byte(exchange, started)
                 deadline.reschedule(None)
-                await exchange.start_stream(stream.status, stream.content_type.encode())
+                await exchange.start_stream(stream.status, stream.content_type)
                 wait.what, wait.limit = "next chunk", settings.stream_idle_timeout
                 while chunk:
                     # Only the instance is on the clock: a slow client is not its fault

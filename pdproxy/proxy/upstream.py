@@ -55,7 +55,7 @@ class UpstreamError(Exception):
 class Reply:
     __slots__ = ("body", "content_type", "status")
 
-    def __init__(self, status: int, content_type: str, body: bytes) -> None:
+    def __init__(self, status: int, content_type: bytes, body: bytes) -> None:
         self.status = status
         self.content_type = content_type
         self.body = body
@@ -76,7 +76,9 @@ class _Connection(asyncio.Protocol):
     def _reset_exchange(self) -> None:
         self._parser = httptools.HttpResponseParser(self)
         self.status = 0
-        self.content_type = "application/json"
+        # Raw bytes, relayed to the client as they came (a decode and re-encode could change
+        # bytes above 0x7F).
+        self.content_type = b"application/json"
         self._headers_done = False
         self._complete = False
         self._until_close = True  # neither Content-Length nor chunked: body ends at EOF
@@ -121,7 +123,7 @@ class _Connection(asyncio.Protocol):
     def on_header(self, name: bytes, value: bytes) -> None:
         lowered = name.lower()
         if lowered == b"content-type":
-            self.content_type = value.decode("latin-1")
+            self.content_type = value
         elif lowered in (b"content-length", b"transfer-encoding"):
             self._until_close = False
 

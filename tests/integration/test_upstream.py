@@ -98,10 +98,34 @@ def test_keep_alive_reuses_one_connection() -> None:
                     reply = await client.post(server.address, "/x", b"%d" % i, HEADERS, 1000)
                     assert reply.status == 200
                     assert reply.body == b'{"echo": %d}' % i
-                    assert reply.content_type == "application/json"
+                    assert reply.content_type == b"application/json"
 
             await with_client(test)
             assert server.connections == 1
+
+    asyncio.run(scenario())
+
+
+def test_content_type_is_kept_byte_for_byte() -> None:
+    """What the upstream sent is what the client gets: bytes above 0x7F included (decoded as
+    latin-1 and encoded as UTF-8 they would change)."""
+    content_type = b"text/plain; charset=x-\xe9"
+
+    async def odd_type(reader: asyncio.StreamReader, writer: asyncio.StreamWriter) -> None:
+        await read_request(reader)
+        writer.write(b"HTTP/1.1 200 OK\r\nContent-Type: " + content_type)
+        writer.write(b"\r\nContent-Length: 2\r\n\r\nhi")
+        await writer.drain()
+        await reader.read()
+
+    async def scenario() -> None:
+        async with Server(odd_type) as server:
+
+            async def test(client: Upstream) -> None:
+                reply = await client.post(server.address, "/x", b"{}", HEADERS, 1000)
+                assert (reply.status, reply.content_type, reply.body) == (200, content_type, b"hi")
+
+            await with_client(test)
 
     asyncio.run(scenario())
 
@@ -151,7 +175,7 @@ def test_chunked_answer_streams_piece_by_piece() -> None:
             async def test(client: Upstream) -> None:
                 async with client.stream("POST", server.address, "/", b"{}", HEADERS) as stream:
                     assert stream.status == 200
-                    assert stream.content_type == "text/event-stream"
+                    assert stream.content_type == b"text/event-stream"
                     assert await stream.next_chunk() == b"first\n"  # before the rest exists
                     release.set()
                     assert await stream.next_chunk() == b"second\n"

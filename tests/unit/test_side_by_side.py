@@ -26,7 +26,7 @@ class Legs:
             raise
         if fail:
             raise RuntimeError("prefill broke")
-        return Reply(status, "application/json", b'{"from": "prefill"}')
+        return Reply(status, b"application/json", b'{"from": "prefill"}')
 
     async def decode(self, answer_after: float, fail_after: float | None = None) -> None:
         try:
@@ -111,7 +111,7 @@ def test_the_prefill_is_awaited_after_the_decode_answered() -> None:
         async def slow_prefill() -> Reply:
             await asyncio.sleep(0.05)
             finished.append("prefill")
-            return Reply(200, "application/json", b"{}")
+            return Reply(200, b"application/json", b"{}")
 
         assert await run(legs, slow_prefill(), legs.decode(0.0)) is None
         assert finished == ["prefill"] and not legs.prefill_cancelled
