@@ -99,7 +99,8 @@ class HttpProtocol(asyncio.Protocol):
         self._loop = _loop or asyncio.get_event_loop()
         self._server_state = server_state
         self._app_state = app_state
-        self._idle_seconds = config.timeout_keep_alive
+        # float(): uvicorn types it int, and the compiled build would refuse a float setting.
+        self._idle_seconds = float(config.timeout_keep_alive)
         self._parser = httptools.HttpRequestParser(self)
         # Lets the first of several pipelined requests be answered even if the client closes.
         self._parser.set_dangerous_leniencies(lenient_data_after_close=True)
