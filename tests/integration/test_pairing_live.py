@@ -268,8 +268,10 @@ def test_prefix_affinity_keeps_a_shared_prefix_on_one_prefill(fleet_factory: Fle
 def test_default_policies_are_reported_and_used(fleet_factory: FleetFactory) -> None:
     fleet = fleet_factory([WorkerSpec("P"), WorkerSpec("D")])
     completion(fleet, "hello")
-    log = (fleet.log_dir / "pdproxy.log").read_text()
-    assert "prefill policy prefix_affinity, decode policy least_kv" in log
+    # Written by the log thread: waited for, boundedly, as the other log checks do.
+    log_file = fleet.log_dir / "pdproxy.log"
+    wanted = "prefill policy prefix_affinity, decode policy least_kv"
+    wait_until(lambda: wanted in log_file.read_text(), 10, "the policies' log line")
 
 
 def test_a_nixl_prefill_answer_without_kv_transfer_params_is_a_prefill_failure(

@@ -184,5 +184,12 @@ def test_v0_is_judged_by_where_it_comes_from_not_only_by_what_it_claims(
     sock.send(pack(claims_inside))
     wait_rejected(fleet, "forbidden_address", 1)
     assert listed(fleet) == set()
-    log = (fleet.log_dir / "pdproxy.log").read_text(encoding="utf-8", errors="replace")
-    assert "v0 sent from 127.0.0.1" in log
+    # Log lines are written by a thread of their own, after the rejection is counted: wait for
+    # the line, boundedly (read once, it was missing under load in CI).
+    log_file = fleet.log_dir / "pdproxy.log"
+    wait_until(
+        lambda: "v0 sent from 127.0.0.1" in log_file.read_text(encoding="utf-8", errors="replace"),
+        10,
+        "the log line naming where the v0 ping came from",
+        fleet.processes(),
+    )
