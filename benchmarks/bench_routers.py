@@ -3,9 +3,11 @@
 Layout (2 cores): the router under test runs alone on core 0 (``taskset -c 0``); the two fast
 fake backends (one prefill, one decode: ``fast_backend.py``), the load generator
 (``loadgen.py``) and this script (the idle-stream clients) share core 1. Each router is started
-in turn, with a fresh pair of the same backends, pointed at them in P/D (prefill/decode
-disaggregation) mode with round robin for prefill and decode, checked (an OpenAI-shaped 200
-through P and D, both backends saw the request), measured, and stopped.
+with a pair of the same backends of its own, pointed at them in P/D (prefill/decode
+disaggregation) mode with round robin for prefill and decode, and checked (an OpenAI-shaped 200
+through P and D, both backends saw the request); then they are measured in turn, ``--rounds``
+times (a VM's speed drifts by more than routers differ: ratios are taken within a round, and
+the tables give the rounds' medians).
 
 For every router (and a ``direct`` baseline: the load generator straight at the decode
 backend) it measures
@@ -38,6 +40,7 @@ import os
 import platform
 import resource
 import shlex
+import statistics
 import subprocess
 import sys
 import tempfile
@@ -87,6 +90,7 @@ from pdproxy.testing.stream_crowd import (
 
 ROUTERS = ("pdproxy", "pdproxy-compiled", "vllm-router", "sglang-router")
 PDPROXIES = ("pdproxy", "pdproxy-compiled")
+RUST_ROUTERS = ("vllm-router", "sglang-router")
 DEFAULT_ROUTERS = ("pdproxy", "vllm-router", "sglang-router")
 # `make compiled`: a copy of the checkout with the hot path compiled by mypyc (setup.py).
 COMPILED_TREE = REPO_ROOT / "build" / "compiled"
@@ -478,9 +482,8 @@ async def _sample_fds(pgid: int, peak: list[int]) -> None:
         await asyncio.sleep(0.2)
 
 
-async def measure_idle(
-    name: str, port: int, item: Started, backends: Backends, args: argparse.Namespace
-) -> dict[str, Any]:
+async def measure_idle(name: str, target: Target, args: argparse.Namespace) -> dict[str, Any]:
+    port, item, backends = target.port, target.server, target.backends
     pgid = item.proc.pid
     n: int = args.idle_streams
     # Warm-up: a few short slow streams, run to the end, so the first-use allocations are done.
@@ -496,14 +499,14 @@ async def measure_idle(
     rss_before = group_rss_kib(pgid)
     fds_before = group_fds(pgid)
     tokens = idle_tokens(args)
-    target = CrowdTarget(HOST, port, PATH, stream_body(tokens, args.idle_interval_ms))
+    streams = CrowdTarget(HOST, port, PATH, stream_body(tokens, args.idle_interval_ms))
     limit = args.idle_open_timeout + args.idle_hold + 60.0
     print(f"  opening {n:,} streams through {name} ...", flush=True)
     overflows0 = listen_overflows()
     cpu0 = group_cpu_seconds(pgid) or 0.0
     peak_fds = [0]
     sampler = asyncio.create_task(_sample_fds(pgid, peak_fds))
-    async with StreamCrowd(target, n, limit, args.connect_limit) as crowd:
+    async with StreamCrowd(streams, n, limit, args.connect_limit) as crowd:
         crowd.start()
         try:
             open_s = await crowd.wait_all_streaming(args.idle_open_timeout)
@@ -591,15 +594,30 @@ def streaming_body(tokens: int, interval_ms: int) -> dict[str, Any]:
     return body
 
 
+@dataclass
+class Target:
+    """A started router (or, for ``direct``, the decode backend itself) and its backends."""
+
+    port: int
+    server: Started
+    backends: Backends
+
+
+def round_order(names: list[str], round_index: int) -> list[str]:
+    """Each round starts one target later, so that no target always runs first (just after the
+    idle gap) or just after the same neighbour."""
+    shift = round_index % len(names) if names else 0
+    return names[shift:] + names[:shift]
+
+
 def run_target(
     name: str,
-    port: int,
-    server: Started,
+    target: Target,
     group: ProcessGroup,
     pin: Pinning,
     args: argparse.Namespace,
-    backends: Backends,
     out: dict[str, list[dict[str, Any]]],
+    round_index: int,
 ) -> None:
     for conc in args.concurrency:
         print(
@@ -607,21 +625,24 @@ def run_target(
             flush=True,
         )
         res = run_loadgen(
-            group, pin, args, label=name, port=port, body=nonstream_body(),
-            concurrency=conc, server=server, backends=backends,
+            group, pin, args, label=name, port=target.port, body=nonstream_body(),
+            concurrency=conc, server=target.server, backends=target.backends,
         )  # fmt: skip
+        res["round"] = round_index
         out["nonstream"].append(res)
-        _check_alive(name, server)
+        _check_alive(name, target.server)
     if not args.skip_stream:
         conc = args.stream_concurrency
         print(f"  streaming {args.stream_tokens} tokens, {conc} streams ...", flush=True)
         body = streaming_body(args.stream_tokens, args.stream_interval_ms)
         res = run_loadgen(
-            group, pin, args, label=name, port=port, body=body,
-            concurrency=conc, server=server, backends=backends, expect_events=args.stream_tokens,
+            group, pin, args, label=name, port=target.port, body=body,
+            concurrency=conc, server=target.server, backends=target.backends,
+            expect_events=args.stream_tokens,
         )  # fmt: skip
+        res["round"] = round_index
         out["stream"].append(res)
-        _check_alive(name, server)
+        _check_alive(name, target.server)
 
 
 def _check_alive(name: str, item: Started) -> None:
@@ -686,13 +707,14 @@ def run_bench(args: argparse.Namespace) -> dict[str, Any]:
     seen: dict[str, Any] = {}
     group = ProcessGroup(log_dir)
     try:
+        # Every target is started (and checked) before any is measured, so that the rounds can
+        # take turns: a VM's speed drifts by more than the routers differ within minutes, and
+        # ratios taken within one round cancel that drift. A router that is not being measured
+        # is idle and costs the others nothing.
+        targets: dict[str, Target] = {}
         if not args.skip_direct:
-            print("direct (load generator -> decode backend)", flush=True)
             backends = start_backends(group, pin, args.python, "direct")
-            run_target(
-                "direct", backends.decode_port, backends.decode, group, pin, args, backends, results
-            )
-            backends.stop(group)
+            targets["direct"] = Target(backends.decode_port, backends.decode, backends)
         for name in args.routers:
             backends = start_backends(group, pin, args.python, name)
             ports = free_ports(4)
@@ -708,20 +730,24 @@ def run_bench(args: argparse.Namespace) -> dict[str, Any]:
                 f"(prefill saw {seen[name]['prefill']}, decode saw {seen[name]['decode']})",
                 flush=True,
             )
-            run_target(name, ports[0], item, group, pin, args, backends, results)
-            if not args.skip_idle:
-                results["idle"].append(
-                    asyncio.run(measure_idle(name, ports[0], item, backends, args))
-                )
-                _check_alive(name, item)
-            group.stop(item)
-            backends.stop(group)
+            targets[name] = Target(ports[0], item, backends)
+        for round_index in range(args.rounds):
+            for name in round_order(list(targets), round_index):
+                label = f"round {round_index + 1} of {args.rounds}: " if args.rounds > 1 else ""
+                print(f"{label}{name}", flush=True)
+                run_target(name, targets[name], group, pin, args, results, round_index)
+        if not args.skip_idle:
+            for name in args.routers:
+                target = targets[name]
+                results["idle"].append(asyncio.run(measure_idle(name, target, args)))
+                _check_alive(name, target.server)
     finally:
         group.stop_all()
 
     add_ratios(results)
     return {
         "meta": {
+            "rounds": args.rounds,
             "timestamp": dt.datetime.now(dt.UTC).isoformat(timespec="seconds"),
             "git_rev": git_rev(),
             "python": platform.python_version(),
@@ -747,23 +773,69 @@ def run_bench(args: argparse.Namespace) -> dict[str, Any]:
             "smoke_backend_requests": seen,
         },
         "results": results,
+        "summary": {kind: summarize(results[kind]) for kind in ("nonstream", "stream")},
     }
 
 
 def add_ratios(results: dict[str, list[dict[str, Any]]]) -> None:
-    base = {r["concurrency"]: r["rps"] for r in results["nonstream"] if r["router"] == BASELINE}
-    for r in results["nonstream"]:
-        b = base.get(r["concurrency"])
-        r["vs_baseline"] = r["rps"] / b if b and r["router"] != "direct" else None
-    sbase = {
-        r["concurrency"]: r["events_per_s"] for r in results["stream"] if r["router"] == BASELINE
-    }
-    for r in results["stream"]:
-        b = sbase.get(r["concurrency"])
-        r["vs_baseline"] = r["events_per_s"] / b if b and r["router"] != "direct" else None
+    """Each run's ratio to the baseline router's run of the same round and concurrency, and
+    (pdproxy's runs) to the faster Rust router's."""
+    for kind, key in (("nonstream", "rps"), ("stream", "events_per_s")):
+        base: dict[tuple[int, int], float] = {}
+        fastest: dict[tuple[int, int], float] = {}
+        for r in results[kind]:
+            when = (r["round"], r["concurrency"])
+            if r["router"] == BASELINE:
+                base[when] = r[key]
+            if r["router"] in RUST_ROUTERS:
+                fastest[when] = max(fastest.get(when, 0.0), r[key])
+        for r in results[kind]:
+            when = (r["round"], r["concurrency"])
+            b, f = base.get(when), fastest.get(when)
+            r["vs_baseline"] = r[key] / b if b and r["router"] != "direct" else None
+            r["vs_fastest_rust"] = r[key] / f if f and r["router"] in PDPROXIES else None
     ibase = next((r["kib_per_stream"] for r in results["idle"] if r["router"] == BASELINE), None)
     for r in results["idle"]:
         r["vs_baseline"] = r["kib_per_stream"] / ibase if ibase else None
+
+
+# The medians a summary row gives over a router's rounds (the ratio's median is the median of
+# the per-round ratios, not the ratio of the medians).
+SUMMARY_MEDIANS = (
+    "rps",
+    "p50_ms",
+    "p99_ms",
+    "events_per_s",
+    "ttfb_p50_ms",
+    "ttfb_p99_ms",
+    "server_cpu_us_per_req",
+    "server_cpu_us_per_chunk",
+    "aux_busy",
+    "vs_baseline",
+    "vs_fastest_rust",
+)
+
+
+def summarize(rows: list[dict[str, Any]]) -> list[dict[str, Any]]:
+    """One row per (router, concurrency): medians over the rounds, errors summed, and the
+    spread of the per-round ratio to the baseline."""
+    groups: dict[tuple[str, int], list[dict[str, Any]]] = {}
+    for r in rows:
+        groups.setdefault((r["router"], r["concurrency"]), []).append(r)
+    summary = []
+    for (router, conc), runs in groups.items():
+        row: dict[str, Any] = {"router": router, "concurrency": conc, "rounds": len(runs)}
+        for key in SUMMARY_MEDIANS:
+            values = [r[key] for r in runs if isinstance(r.get(key), (int, float))]
+            row[key] = statistics.median(values) if values else None
+        row["errors"] = sum(r["errors"] for r in runs)
+        for key in ("vs_baseline", "vs_fastest_rust"):
+            ratios = [r[key] for r in runs if r.get(key) is not None]
+            row[f"{key}_min"] = min(ratios) if ratios else None
+            row[f"{key}_max"] = max(ratios) if ratios else None
+            row[f"{key}_ahead"] = sum(1 for x in ratios if x > 1.0)
+        summary.append(row)
+    return summary
 
 
 # ---- output ------------------------------------------------------------------------------------
@@ -782,11 +854,40 @@ def _md(header: list[str], rows: list[list[str]]) -> str:
     return "\n".join(lines)
 
 
+def _spread(r: dict[str, Any], key: str) -> list[str]:
+    """The per-round ratio's range and how many rounds the router was ahead."""
+    if r.get(f"{key}_min") is None:
+        return ["-", "-"]
+    span = f"{r[f'{key}_min']:.2f}-{r[f'{key}_max']:.2f}"
+    return [span, f"{r[f'{key}_ahead']} of {r['rounds']}"]
+
+
+def _ratios(r: dict[str, Any], rounds: int) -> list[str]:
+    """The ratio columns: median ratio to the baseline and to the faster Rust router, and with
+    several rounds their ranges and the rounds ahead."""
+    cells = []
+    for key in ("vs_baseline", "vs_fastest_rust"):
+        cells.append(_num(r.get(key), ".2f"))
+        if rounds > 1:
+            cells += _spread(r, key)
+    return cells
+
+
+def _ratio_header(rounds: int) -> list[str]:
+    header = []
+    for name in (f"vs {BASELINE}", "vs faster Rust router"):
+        header += [name, "range", "rounds ahead"] if rounds > 1 else [name]
+    return header
+
+
 def tables(report: dict[str, Any]) -> str:
     res = report["results"]
+    summary = report["summary"]
     meta = report["meta"]
+    rounds = meta["rounds"]
+    median = " (medians of the rounds)" if rounds > 1 else ""
     parts: list[str] = []
-    if res["nonstream"]:
+    if summary["nonstream"]:
         rows = [
             [
                 r["router"],
@@ -795,16 +896,19 @@ def tables(report: dict[str, Any]) -> str:
                 _num(r["p50_ms"], ".3f"),
                 _num(r["p99_ms"], ".3f"),
                 str(r["errors"]),
-                _num(r.get("vs_baseline"), ".2f"),
+                *_ratios(r, rounds),
                 _num(r.get("server_cpu_us_per_req"), ",.0f"),
                 _num(r.get("aux_busy"), ".0%"),
             ]
-            for r in sorted(res["nonstream"], key=lambda r: (r["concurrency"], _order(r["router"])))
+            for r in sorted(
+                summary["nonstream"], key=lambda r: (r["concurrency"], _order(r["router"]))
+            )
         ]
-        header = ["router", "conc", "req/s", "p50 ms", "p99 ms", "errors", f"vs {BASELINE}",
+        header = ["router", "conc", "req/s", "p50 ms", "p99 ms", "errors", *_ratio_header(rounds),
                   "server CPU us/req", "aux core busy"]  # fmt: skip
-        parts.append("### Non-streaming POST /v1/completions\n\n" + _md(header, rows))
-    if res["stream"]:
+        title = f"### Non-streaming POST /v1/completions{median}"
+        parts.append(title + "\n\n" + _md(header, rows))
+    if summary["stream"]:
         rows = [
             [
                 r["router"],
@@ -816,18 +920,18 @@ def tables(report: dict[str, Any]) -> str:
                 _num(r["p50_ms"], ".3f"),
                 _num(r["p99_ms"], ".3f"),
                 str(r["errors"]),
-                _num(r.get("vs_baseline"), ".2f"),
+                *_ratios(r, rounds),
                 _num(r.get("server_cpu_us_per_chunk"), ",.1f"),
                 _num(r.get("aux_busy"), ".0%"),
             ]
-            for r in sorted(res["stream"], key=lambda r: _order(r["router"]))
+            for r in sorted(summary["stream"], key=lambda r: _order(r["router"]))
         ]
         header = ["router", "streams", "chunks/s", "answers/s", "TTFB p50 ms", "TTFB p99 ms",
-                  "whole p50 ms", "whole p99 ms", "errors", f"vs {BASELINE}",
+                  "whole p50 ms", "whole p99 ms", "errors", *_ratio_header(rounds),
                   "server CPU us/chunk", "aux core busy"]  # fmt: skip
         pace = meta["stream_interval_ms"]
         how = f"one every {pace} ms" if pace else "written at once by the backend"
-        title = f"### Streaming: {meta['stream_tokens']} SSE events per answer, {how}"
+        title = f"### Streaming: {meta['stream_tokens']} SSE events per answer, {how}{median}"
         parts.append(title + "\n\n" + _md(header, rows))
     if res["idle"]:
         mib = 1024.0
@@ -928,6 +1032,13 @@ def parse_args(argv: list[str] | None) -> argparse.Namespace:
     add("--skip-idle", action="store_true", help="skip the idle-streams part")
     add("--skip-stream", action="store_true", help="skip the streaming part")
     add("--skip-direct", action="store_true", help="skip the direct baseline")
+    add(
+        "--rounds",
+        type=positive_int,
+        default=1,
+        help="load runs per target, taken in turns (all targets are started first; each round "
+        "starts one target later); the tables give medians and the per-round ratios' range",
+    )
     add("--json", default=None, metavar="PATH", help="also write every number here")
     add("--no-pin", action="store_true", help="do not use taskset")
     add("--router-core", type=int, default=0)
