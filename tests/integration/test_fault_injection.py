@@ -72,8 +72,9 @@ def complete_answer(outcome: Outcome) -> bool:
 
 
 def cut_mid_stream(outcome: Outcome, droppers: set[str]) -> bool:
-    """A stream that got chunks, then an OpenAI-shaped error naming a decode that drops
-    connections, then [DONE]: the one failure a client may see."""
+    """A stream that got chunks, then an OpenAI-shaped error naming a decode that lost its
+    connection (one that drops connections, or one killed while it streamed), then [DONE]:
+    the one failure a client may see, since what it already holds cannot be taken back."""
     if outcome.status != 200 or not outcome.stream:
         return False
     events, done = parse_stream(outcome.body)
@@ -159,14 +160,17 @@ def test_faults_under_load_reach_no_client_that_could_be_served(
 
     assert len(outcomes) == 2000
     complete = [o for o in outcomes if complete_answer(o)]
-    cut = [o for o in outcomes if cut_mid_stream(o, {d_drop.http_address})]
-    others = [
-        o
-        for o in outcomes
-        if not complete_answer(o) and not cut_mid_stream(o, {d_drop.http_address})
-    ]
+    # A stream the killed decode was sending when it died is cut too (its client already has
+    # the first chunks); one it had not begun must be served elsewhere.
+    cutters = {d_drop.http_address, d_dead.http_address}
+    cut = [o for o in outcomes if cut_mid_stream(o, cutters)]
+    others = [o for o in outcomes if not complete_answer(o) and not cut_mid_stream(o, cutters)]
     summary = Counter((o.stream, o.status) for o in others)
-    assert not others, f"{len(others)} requests failed before their first byte: {summary}"
+    assert not others, (
+        f"{len(others)} requests failed before their first byte: {summary}; "
+        f"first: {others[0].body[-600:]!r}"
+    )
+    assert sum(1 for o in cut if d_drop.http_address in o.body.decode()) > 0
     assert len(complete) + len(cut) == 2000
     # Nobody waited past the request's deadline (client-side timing, generous slack).
     slowest = max(o.seconds for o in outcomes)
