@@ -13,12 +13,19 @@ import importlib.machinery
 import importlib.util
 
 # Dotted names. mypyc cannot compile async generators (proxy/app.py has one) nor subclasses of
-# most built-in exceptions (proxy/tracing.py has one).
+# most built-in exceptions (proxy/tracing.py has one): the per-request parts of both live in
+# modules of their own (proxy/entry.py, proxy/w3c_tracing.py).
+#
+# Dataclasses made per request have a hand-written __init__ (init=False) and are not frozen:
+# mypyc compiles a class's own methods, but the __init__ the dataclasses module generates runs
+# interpreted, and a frozen one sets each field through object.__setattr__. Six of them cost
+# 12% of a compiled request's instructions (callgrind); their hash and equality are kept.
 COMPILED_MODULES = (
     "pdproxy.ids",
     "pdproxy.local_metrics",
     "pdproxy.metrics",
     "pdproxy.pairing.candidates",
+    "pdproxy.pairing.features",
     "pdproxy.pairing.inflight",
     "pdproxy.pairing.planner",
     "pdproxy.pairing.policies.base",
@@ -30,10 +37,12 @@ COMPILED_MODULES = (
     "pdproxy.pairing.prefix_cache",
     "pdproxy.pairing.scoreboard",
     "pdproxy.proxy.admission",
+    "pdproxy.proxy.alarms",
     "pdproxy.proxy.completions",
     "pdproxy.proxy.credentials",
     "pdproxy.proxy.deadline",
     "pdproxy.proxy.dispatch",
+    "pdproxy.proxy.entry",
     "pdproxy.proxy.exchange",
     "pdproxy.proxy.http_protocol",
     "pdproxy.proxy.kv_params",
@@ -44,6 +53,7 @@ COMPILED_MODULES = (
     "pdproxy.proxy.slots",
     "pdproxy.proxy.trace_context",
     "pdproxy.proxy.upstream",
+    "pdproxy.proxy.w3c_tracing",
     "pdproxy.reliability.outlier",
 )
 

@@ -24,7 +24,7 @@ UID_HEX_LENGTH = 32
 MAX_HOST_LENGTH = 253
 
 _HOST = re.compile(r"[A-Za-z0-9](?:[A-Za-z0-9._-]*[A-Za-z0-9])?", re.ASCII)
-_UID = re.compile(r"[0-9a-f]{32}", re.ASCII)
+_HEX_DIGITS = "0123456789abcdef"
 _TAGGED = re.compile(
     r"___prefill_addr_(?P<ph>[^:\s]+):(?P<pp>\d+)"
     r"___decode_addr_(?P<dh>[^:\s]+):(?P<dp>\d+)_(?P<uid>[0-9a-f]{32})",
@@ -45,10 +45,13 @@ class Address:
     # (a generated hash would build a tuple per lookup, a score of them per request).
     _text: str = field(init=False, repr=False, compare=False)
     _hash: int = field(init=False, repr=False, compare=False)
+    # Whether a request id may carry it, judged once: every request id checks both addresses.
+    id_safe: bool = field(init=False, repr=False, compare=False)
 
     def __post_init__(self) -> None:
         object.__setattr__(self, "_text", f"{self.host}:{self.port}")
         object.__setattr__(self, "_hash", hash((self.host, self.port)))
+        object.__setattr__(self, "id_safe", _host_ok(self.host) and 1 <= self.port <= 65535)
 
     def __str__(self) -> str:
         return self._text
@@ -62,12 +65,15 @@ class Address:
         return (Address, (self.host, self.port))
 
 
+def _host_ok(host: str) -> bool:
+    """The hosts validate_host accepts, in one test."""
+    return bool(_HOST.fullmatch(host)) and "__" not in host and len(host) <= MAX_HOST_LENGTH
+
+
 def validate_host(host: str) -> None:
     """Raise AddressError unless `host` survives vLLM's greedy regexes unchanged."""
-    if _HOST.fullmatch(host) and "__" not in host and len(host) <= MAX_HOST_LENGTH:
-        # Every request id checks both hosts again: the accepted set in one test; the checks
-        # below only find the message for a rejected host.
-        return
+    if _host_ok(host):
+        return  # the checks below only find the message for a rejected host
     if not host:
         raise AddressError("empty host")
     if ":" in host or host.startswith("["):
@@ -124,12 +130,13 @@ class TaggedId:
 
 def build_request_id(prefill: Address, decode: Address, uid: str) -> str:
     """The id both legs carry as X-Request-Id. Addresses are KV (zmq) addresses."""
-    if not _UID.fullmatch(uid):
+    # strip() leaves nothing exactly when every character is a lowercase hex digit.
+    if len(uid) != UID_HEX_LENGTH or uid.strip(_HEX_DIGITS):
         raise ValueError(f"uid must be {UID_HEX_LENGTH} lowercase hex characters")
-    validate_host(prefill.host)
-    validate_host(decode.host)
-    validate_port(prefill.port)
-    validate_port(decode.port)
+    if not (prefill.id_safe and decode.id_safe):  # raise with the reason
+        for address in (prefill, decode):
+            validate_host(address.host)
+            validate_port(address.port)
     return f"{PREFILL_TAG}{prefill}{DECODE_TAG}{decode}_{uid}"
 
 

@@ -53,12 +53,21 @@ class Unpaired(StrEnum):
     INCOMPATIBLE = "incompatible"
 
 
-@dataclass(frozen=True, slots=True)
+@dataclass(slots=True, init=False, unsafe_hash=True)
 class Pair:
     prefill: Instance
     decode: Instance
-    prefill_tokens: int = 0  # prefill work counted in flight until released
-    decode_tokens: int = 0
+    prefill_tokens: int  # prefill work counted in flight until released
+    decode_tokens: int
+
+    # A hand-written __init__ (not frozen): see pdproxy/compiled.py on dataclasses.
+    def __init__(
+        self, prefill: Instance, decode: Instance, prefill_tokens: int = 0, decode_tokens: int = 0
+    ) -> None:
+        self.prefill = prefill
+        self.decode = decode
+        self.prefill_tokens = prefill_tokens
+        self.decode_tokens = decode_tokens
 
     @property
     def connector(self) -> Connector | None:

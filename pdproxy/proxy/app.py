@@ -6,11 +6,12 @@ The two completion endpoints are served by a lean ASGI endpoint (the hot path); 
 
 from __future__ import annotations
 
+import asyncio
 import contextlib
 import gc
 import logging
 import time
-from collections.abc import AsyncIterator, Callable, MutableMapping
+from collections.abc import AsyncIterator, Callable
 from dataclasses import dataclass
 from typing import Any
 
@@ -22,10 +23,11 @@ from pdproxy.multiprocess.paths import SharedPaths
 from pdproxy.pairing.planner import Planner
 from pdproxy.pairing.policies import make_policy
 from pdproxy.proxy.admission import Admission
+from pdproxy.proxy.alarms import Alarms
 from pdproxy.proxy.completions import CompletionsEndpoint
 from pdproxy.proxy.credentials import Credentials
 from pdproxy.proxy.dispatch import Dispatcher
-from pdproxy.proxy.errors import error_body
+from pdproxy.proxy.entry import COMPLETION_PATHS, Entry
 from pdproxy.proxy.exchange import Scope
 from pdproxy.proxy.prober import HealthProber
 from pdproxy.proxy.random_ids import RandomHex
@@ -40,19 +42,6 @@ from pdproxy.registry.table import RegistryTable
 from pdproxy.reliability.outlier import OutlierDetector, OutlierPolicy
 
 log = logging.getLogger("pdproxy")
-
-COMPLETION_PATHS = ("/v1/completions", "/v1/chat/completions")
-_COUNTED_PATHS = frozenset(
-    (
-        "/health",
-        "/ready",
-        "/metrics",
-        "/v1/models",
-        "/v1/instances",
-        "/v1/instances/pairs",
-        "/openapi.json",
-    )
-)  # any other path is counted as "other": client-chosen paths must not grow label sets
 
 
 @dataclass
@@ -70,6 +59,7 @@ class AppState:
     prober: HealthProber
     clock: Callable[[], float]
     registry_link: RegistryLink
+    alarms: Alarms
 
 
 def planner_from(settings: Settings) -> Planner:
@@ -125,8 +115,9 @@ async def build_state(
         copy = RegistryCopy(shared, table, rotation, metrics)
         await copy.first_copy(settings.ttl)  # before the lifespan ends: before it listens
         link = copy
+    alarms = Alarms(asyncio.get_running_loop())
     dispatcher = Dispatcher(
-        settings, rotation, upstream, metrics, tracing, new_uid=lambda: random_hex.hex(16)
+        settings, rotation, upstream, metrics, tracing, alarms, new_uid=lambda: random_hex.hex(16)
     )
     prober = HealthProber(
         settings.health_check_interval,
@@ -152,6 +143,7 @@ async def build_state(
         prober,
         clock,
         link,
+        alarms,
     )
 
 
@@ -167,11 +159,11 @@ class PdproxyApp:
         self._clock = clock
         self._shared = shared  # set in an HTTP worker of a multi-worker proxy
         self._state: AppState | None = None
-        self._hot: dict[str, CompletionsEndpoint] = {}
         # Read before anything binds: a missing key file fails the start, not a request.
         self.credentials = credentials or Credentials.from_settings(settings)
         self.api = FastAPI(lifespan=self._lifespan, docs_url=None, redoc_url=None, openapi_url=None)
         install_routes(self.api, self)
+        self.entry = Entry(self.api, self.credentials)
 
     @property
     def state(self) -> AppState:
@@ -183,9 +175,15 @@ class PdproxyApp:
     async def _lifespan(self, _api: FastAPI) -> AsyncIterator[None]:
         state = await build_state(self.settings, self._clock, self._shared)
         self._state = state
-        self._hot = {
+        self.entry.metrics = state.metrics
+        self.entry.hot = {
             path: CompletionsEndpoint(
-                path, self.settings, state.dispatcher, state.admission, state.metrics
+                path,
+                self.settings,
+                state.dispatcher,
+                state.admission,
+                state.metrics,
+                state.alarms,
             )
             for path in COMPLETION_PATHS
         }
@@ -207,11 +205,13 @@ class PdproxyApp:
         try:
             yield
         finally:
-            self._hot = {}
+            self.entry.hot = {}
+            self.entry.metrics = None
             await state.prober.stop()
             await state.registry_link.stop()
             await state.upstream.close()
             state.tracing.shutdown()
+            state.alarms.close()
             self._state = None
 
     def begin_drain(self) -> None:
@@ -226,76 +226,8 @@ class PdproxyApp:
         return self._state is None or self._state.admission.idle
 
     async def __call__(self, scope: Scope, receive: Any, send: Any) -> None:
-        if scope["type"] != "http":
-            await self.api(scope, receive, send)
-            return
-        if (
-            self.credentials.needs_key(scope["path"])
-            and not _is_admin(scope)
-            and not self.credentials.client_allowed(_authorization(scope))
-        ):
-            await self._unauthorized(scope, send)
-            return
-        endpoint = self._hot.get(scope["path"])
-        if endpoint is not None:
-            await endpoint(scope, receive, send)
-            return
-        await self._counted(scope, receive, send)
-
-    async def _counted(self, scope: Scope, receive: Any, send: Any) -> None:
-        status = 500
-
-        async def recording_send(message: MutableMapping[str, Any]) -> None:
-            nonlocal status
-            if message["type"] == "http.response.start":
-                status = message["status"]
-            await send(message)
-
-        try:
-            await self.api(scope, receive, recording_send)
-        finally:
-            if self._state is not None:
-                path = scope["path"] if scope["path"] in _COUNTED_PATHS else "other"
-                self._state.metrics.count_request(path, str(status))
-
-    async def _unauthorized(self, scope: Scope, send: Any) -> None:
-        body = error_body(
-            401, "a valid API key is required (Authorization: Bearer KEY)", code="invalid_api_key"
-        )
-        await send(
-            {
-                "type": "http.response.start",
-                "status": 401,
-                "headers": [
-                    (b"content-type", b"application/json"),
-                    (b"content-length", str(len(body)).encode()),
-                    (b"www-authenticate", b'Bearer realm="pdproxy"'),
-                ],
-            }
-        )
-        await send({"type": "http.response.body", "body": body, "more_body": False})
-        if self._state is not None:
-            metrics = self._state.metrics
-            metrics.refused.labels("unauthorized").inc()
-            path = scope["path"]
-            counted = path if path in COMPLETION_PATHS or path in _COUNTED_PATHS else "other"
-            metrics.count_request(counted, "401")
-
-
-def _authorization(scope: Scope) -> str | None:
-    for name, value in scope["headers"]:
-        if name == b"authorization":
-            text: str = value.decode("latin-1")
-            return text
-    return None
-
-
-def _is_admin(scope: Scope) -> bool:
-    """Admin endpoints answer to the admin token, not to client keys."""
-    path: str = scope["path"]
-    return path.startswith("/v1/admin/") or (
-        path.startswith("/v1/instances") and scope["method"] not in ("GET", "HEAD")
-    )
+        """For ASGI servers other than pdproxy's own (run_server serves `entry` itself)."""
+        await self.entry(scope, receive, send)
 
 
 def create_app(settings: Settings, shared: SharedPaths | None = None) -> PdproxyApp:

@@ -17,6 +17,7 @@ from pdproxy.config import Settings
 from pdproxy.logs import ACCESS_LOGGER, FIELDS
 from pdproxy.metrics import Metrics
 from pdproxy.proxy.admission import Admission
+from pdproxy.proxy.alarms import Alarms
 from pdproxy.proxy.deadline import Deadline
 from pdproxy.proxy.dispatch import Dispatcher
 from pdproxy.proxy.errors import ProxyError
@@ -40,12 +41,14 @@ class CompletionsEndpoint:
         dispatcher: Dispatcher,
         admission: Admission,
         metrics: Metrics,
+        alarms: Alarms,
     ) -> None:
         self._path = path
         self._settings = settings
         self._dispatcher = dispatcher
         self._admission = admission
         self._metrics = metrics
+        self._alarms = alarms
         self._access_log = settings.log_format == "json"
         # Built in the lifespan, on the loop that serves: current_task(loop) is then a dict
         # lookup, where current_task() first looks the loop up (a getpid() on Python 3.11).
@@ -62,7 +65,7 @@ class CompletionsEndpoint:
             if scope["method"] != "POST":
                 raise ProxyError(405, f"method {scope['method']} not allowed; use POST")
             # Admitted before the body is read: waiting requests hold no bodies in memory.
-            with Deadline(task, self._settings.request_timeout) as deadline:
+            with Deadline(self._alarms, task, self._settings.request_timeout) as deadline:
                 exchange.deadline = deadline.when() or exchange.deadline
                 async with self._admission.slot():
                     body = await self._read_body(exchange, client)
@@ -117,7 +120,7 @@ class CompletionsEndpoint:
         slot for the whole request timeout."""
         limit = self._settings.body_timeout
         try:
-            with Deadline(exchange.task, limit):
+            with Deadline(self._alarms, exchange.task, limit):
                 return await exchange.read_body(
                     self._settings.max_body_bytes, client.content_length
                 )

@@ -26,6 +26,7 @@ from pdproxy.ids import build_request_id
 from pdproxy.metrics import DECODE, PREFILL, Metrics
 from pdproxy.pairing.features import RequestFeatures
 from pdproxy.pairing.planner import Direct, Pair
+from pdproxy.proxy.alarms import Alarms
 from pdproxy.proxy.deadline import Deadline
 from pdproxy.proxy.errors import ProxyError
 from pdproxy.proxy.exchange import ClientHeaders, Exchange
@@ -52,7 +53,7 @@ log = logging.getLogger("pdproxy.dispatch")
 _ERROR_SNIPPET = 300
 
 
-@dataclass(slots=True)
+@dataclass(slots=True, init=False)
 class Wait:
     """What a leg is waiting for right now, and for how long at most; whether any of the
     answer arrived (after that, the leg is never retried)."""
@@ -60,7 +61,14 @@ class Wait:
     what: str
     limit: float
     began: float  # on the rotation's clock: outcomes of legs begun before an ejection are moot
-    answered: bool = False
+    answered: bool
+
+    # A hand-written __init__ (not frozen): see pdproxy/compiled.py on dataclasses.
+    def __init__(self, what: str, limit: float, began: float, answered: bool = False) -> None:
+        self.what = what
+        self.limit = limit
+        self.began = began
+        self.answered = answered
 
 
 class LegFailed(ProxyError):
@@ -89,6 +97,7 @@ class Dispatcher:
         upstream: Upstream,
         metrics: Metrics,
         tracing: Tracing,
+        alarms: Alarms,
         new_uid: Callable[[], str] | None = None,
         unit_random: Callable[[], float] = random.random,
     ) -> None:
@@ -97,6 +106,7 @@ class Dispatcher:
         self._upstream = upstream
         self._metrics = metrics
         self._tracing = tracing
+        self._alarms = alarms
         self._new_uid = new_uid or _random_uid()
         self._unit_random = unit_random
         self._decode_beside_prefill = frozenset(settings.concurrent_decode_connectors)
@@ -339,7 +349,7 @@ class Dispatcher:
         body = request.prefill_body(leg_params)
         with (
             self._leg(PREFILL, instance, "answer", settings.prefill_timeout) as wait,
-            Deadline(task, wait.limit),
+            Deadline(self._alarms, task, wait.limit),
         ):
             reply = await self._upstream.post(
                 instance.http_address,
@@ -385,7 +395,7 @@ class Dispatcher:
             waiting, limit = "answer", settings.decode_timeout
         with (
             self._leg(DECODE, instance, waiting, limit + prefill_wait) as wait,
-            Deadline(task, wait.limit) as deadline,
+            Deadline(self._alarms, task, wait.limit) as deadline,
         ):
             async with self._upstream.stream(
                 "POST", instance.http_address, request.path, body, headers

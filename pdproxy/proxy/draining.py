@@ -20,11 +20,12 @@ import socket
 import time
 from collections.abc import Callable
 from types import FrameType
-from typing import Any, Protocol
+from typing import Protocol
 
 import uvicorn
 
 from pdproxy.config import Settings
+from pdproxy.proxy.entry import Asgi
 from pdproxy.proxy.http_protocol import HttpProtocol
 
 log = logging.getLogger("pdproxy")
@@ -39,6 +40,11 @@ class Drainable(Protocol):
 
     @property
     def idle(self) -> bool: ...
+
+    @property
+    def entry(self) -> Asgi:
+        """What the server calls for each connection's requests."""
+        ...
 
 
 class DrainingServer(uvicorn.Server):
@@ -90,7 +96,7 @@ class DrainingServer(uvicorn.Server):
 
 
 def run_server(
-    app: Any,
+    app: Drainable,
     settings: Settings,
     sockets: list[socket.socket] | None = None,
     worker: bool = False,
@@ -98,7 +104,10 @@ def run_server(
 ) -> bool:
     """Serve `app` until a signal ends the drain; False if it never started serving."""
     config = uvicorn.Config(
-        app,
+        app.entry,
+        # Said, not detected: uvicorn asks inspect whether __call__ is a coroutine function,
+        # and a compiled one (mypyc) does not look like one.
+        interface="asgi3",
         host=settings.host,
         port=settings.port,
         loop=_event_loop(),

@@ -24,32 +24,61 @@ JSON = b"application/json"
 SSE_DONE = b"data: [DONE]\n\n"
 
 
-@dataclass(frozen=True, slots=True)
+@dataclass(slots=True, init=False, unsafe_hash=True)
 class ClientHeaders:
     """The few request headers the proxy reads."""
 
-    request_id: bytes | None = None  # X-Request-Id, echoed back, never sent upstream
-    authorization: str | None = None
-    content_length: int | None = None
-    traceparent: str | None = None
-    tracestate: str | None = None
+    request_id: bytes | None  # X-Request-Id, echoed back, never sent upstream
+    authorization: str | None
+    content_length: int | None
+    traceparent: str | None
+    tracestate: str | None
+
+    # A hand-written __init__ (not frozen): see pdproxy/compiled.py on dataclasses.
+    def __init__(
+        self,
+        request_id: bytes | None = None,
+        authorization: str | None = None,
+        content_length: int | None = None,
+        traceparent: str | None = None,
+        tracestate: str | None = None,
+    ) -> None:
+        self.request_id = request_id
+        self.authorization = authorization
+        self.content_length = content_length
+        self.traceparent = traceparent
+        self.tracestate = tracestate
 
 
-@dataclass(slots=True)
+@dataclass(slots=True, init=False)
 class RequestNotes:
     """What the access log says about one request, filled in as it goes."""
 
-    model: str | None = None
-    stream: bool | None = None
-    prefill: str | None = None  # the chosen instances' names (http addresses)
-    decode: str | None = None
-    direct: bool = False  # conditional disaggregation: no prefill leg
-    concurrent: bool = False  # the decode leg was sent with the prefill leg, not after it
-    prefill_seconds: float | None = None
-    decode_first_byte_seconds: float | None = None
-    error: str | None = None  # the error code the client got
-    attempts: int = 1
-    trace_id: str | None = None
+    model: str | None
+    stream: bool | None
+    prefill: str | None  # the chosen instances' names (http addresses)
+    decode: str | None
+    direct: bool  # conditional disaggregation: no prefill leg
+    concurrent: bool  # the decode leg was sent with the prefill leg, not after it
+    prefill_seconds: float | None
+    decode_first_byte_seconds: float | None
+    error: str | None  # the error code the client got
+    attempts: int
+    trace_id: str | None
+
+    # A hand-written __init__ (not frozen): see pdproxy/compiled.py on dataclasses.
+    def __init__(self) -> None:
+        self.model = None
+        self.stream = None
+        self.prefill = None
+        self.decode = None
+        self.direct = False
+        self.concurrent = False
+        self.prefill_seconds = None
+        self.decode_first_byte_seconds = None
+        self.error = None
+        self.attempts = 1
+        self.trace_id = None
 
 
 class ClientGone(Exception):

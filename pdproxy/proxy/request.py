@@ -16,13 +16,23 @@ from pdproxy.proxy.kv_params import PARAMS_FIELD
 _MIN_FIELDS = ("min_tokens", "min_completion_tokens")
 
 
-@dataclass(frozen=True, slots=True)
+@dataclass(slots=True, init=False)
 class CompletionRequest:
     path: str
     body: bytes  # the client's bytes, sent unchanged on the decode leg
     payload: dict[str, Any]
     model: str
     stream: bool
+
+    # A hand-written __init__ (not frozen): see pdproxy/compiled.py on dataclasses.
+    def __init__(
+        self, path: str, body: bytes, payload: dict[str, Any], model: str, stream: bool
+    ) -> None:
+        self.path = path
+        self.body = body
+        self.payload = payload
+        self.model = model
+        self.stream = stream
 
     @property
     def chat(self) -> bool:

@@ -18,12 +18,21 @@ _SAMPLED = "01"
 MAX_TRACESTATE = 512  # the spec's recommended minimum a vendor must propagate
 
 
-@dataclass(frozen=True, slots=True)
+@dataclass(slots=True, init=False, unsafe_hash=True)
 class TraceContext:
     trace_id: str
     parent_id: str | None  # the client's span, if it sent one
     flags: str
-    tracestate: str | None = None
+    tracestate: str | None
+
+    # A hand-written __init__ (not frozen): see pdproxy/compiled.py on dataclasses.
+    def __init__(
+        self, trace_id: str, parent_id: str | None, flags: str, tracestate: str | None = None
+    ) -> None:
+        self.trace_id = trace_id
+        self.parent_id = parent_id
+        self.flags = flags
+        self.tracestate = tracestate
 
     def child(self, span_id: str) -> dict[str, str]:
         """Headers for a leg whose span is `span_id` (16 lowercase hex)."""

@@ -13,6 +13,7 @@ from collections.abc import Callable
 from typing import Literal, Protocol
 
 from pdproxy.proxy.trace_context import TraceContext
+from pdproxy.proxy.w3c_tracing import W3cTracing
 
 OtelExporter = Literal["none", "otlp", "console"]
 
@@ -31,37 +32,6 @@ class Tracing(Protocol):
     ) -> contextlib.AbstractContextManager[RequestTrace]: ...
 
     def shutdown(self) -> None: ...
-
-
-class _W3cRequest(contextlib.AbstractContextManager["_W3cRequest"]):
-    """One request's trace context; a class, as are its legs' (nullcontext), rather than
-    generator context managers: these run for every request."""
-
-    __slots__ = ("_context", "_new_span_id", "trace_id")
-
-    def __init__(self, context: TraceContext, new_span_id: Callable[[], str]) -> None:
-        self.trace_id = context.trace_id
-        self._context = context
-        self._new_span_id = new_span_id
-
-    def __exit__(self, *exc: object) -> None:
-        return None
-
-    def leg(self, role: str, instance: str) -> contextlib.nullcontext[dict[str, str]]:
-        return contextlib.nullcontext(self._context.child(self._new_span_id()))
-
-
-class W3cTracing:
-    """Trace context propagation only: nothing is recorded or exported."""
-
-    def __init__(self, new_span_id: Callable[[], str]) -> None:
-        self._new_span_id = new_span_id
-
-    def request(self, context: TraceContext, endpoint: str) -> _W3cRequest:
-        return _W3cRequest(context, self._new_span_id)
-
-    def shutdown(self) -> None:
-        pass
 
 
 class TracingUnavailable(RuntimeError):

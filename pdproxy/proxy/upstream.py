@@ -33,7 +33,7 @@ KEEPALIVE_SECONDS = 4.0
 # Stop reading from an instance when this much of its answer waits for a slow client.
 _HIGH_WATER = 1024 * 1024
 _LOW_WATER = 256 * 1024
-_USER_AGENT = f"pdproxy/{__version__}".encode()
+_USER_AGENT_LINE = f"User-Agent: pdproxy/{__version__}\r\n"
 # A pooled connection the instance had already closed fails at once; a failure later than this
 # after sending may mean the instance read the request, so it is not replayed.
 _STALE_WINDOW = 0.25
@@ -453,13 +453,19 @@ def _request_head(
     body: bytes | None,
     headers: Mapping[str, str],
 ) -> bytes:
-    lines = [f"{method} {path} HTTP/1.1\r\nHost: {address}\r\n".encode("latin-1")]
+    # One text, encoded once: this runs twice per request.
+    parts = [method, " ", path, " HTTP/1.1\r\nHost: ", str(address), "\r\n"]
     for name, value in headers.items():
         if "\r" in value or "\n" in value:
             raise ValueError(f"header {name} contains a line break")
-        lines.append(f"{name}: {value}\r\n".encode("latin-1"))
-    lines.append(b"User-Agent: " + _USER_AGENT + b"\r\n")
+        parts.append(name)
+        parts.append(": ")
+        parts.append(value)
+        parts.append("\r\n")
+    parts.append(_USER_AGENT_LINE)
     if body is not None:
-        lines.append(b"Content-Length: " + str(len(body)).encode() + b"\r\n")
-    lines.append(b"\r\n")
-    return b"".join(lines)
+        parts.append("Content-Length: ")
+        parts.append(str(len(body)))
+        parts.append("\r\n")
+    parts.append("\r\n")
+    return "".join(parts).encode("latin-1")

@@ -14,7 +14,7 @@ import pytest
 from prometheus_client.parser import text_string_to_metric_families
 
 from pdproxy.metrics import LEG_ROLES, Metrics
-from pdproxy.proxy.app import _COUNTED_PATHS, COMPLETION_PATHS
+from pdproxy.proxy.entry import COMPLETION_PATHS, COUNTED_PATHS
 from pdproxy.registry.messages import Role
 from pdproxy.reliability.outlier import Circuit
 from pdproxy.testing.fleet import WorkerSpec
@@ -140,7 +140,7 @@ ENUMS: dict[tuple[str, str], set[str]] = {
     ("pdproxy_registry_instances", "role"): {r.value for r in Role},
     ("pdproxy_inflight_requests", "role"): set(LEG_ROLES),
     ("pdproxy_upstream_errors_total", "role"): set(LEG_ROLES),
-    ("pdproxy_requests_total", "endpoint"): set(COMPLETION_PATHS) | set(_COUNTED_PATHS),
+    ("pdproxy_requests_total", "endpoint"): set(COMPLETION_PATHS) | set(COUNTED_PATHS),
     ("pdproxy_request_duration_seconds_bucket", "endpoint"): set(COMPLETION_PATHS),
     # "saturated" is the one kind the dashboard singles out: the proxy's own congestion.
     ("pdproxy_upstream_errors_total", "kind"): {"saturated"},

@@ -18,9 +18,10 @@ import pytest
 import yaml
 
 from pdproxy.config import ENV_PREFIX, Settings
-from pdproxy.proxy.app import COMPLETION_PATHS, PdproxyApp
+from pdproxy.proxy.app import PdproxyApp
 from pdproxy.proxy.credentials import Credentials
 from pdproxy.proxy.draining import FINAL_GRACE_SECONDS
+from pdproxy.proxy.entry import COMPLETION_PATHS
 from pdproxy.registry.auth import Verifier, new_nonce, signed
 from pdproxy.testing.processes import http_get
 from pdproxy.worker.announce import registry_secret

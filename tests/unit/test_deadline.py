@@ -6,6 +6,7 @@ import asyncio
 
 import pytest
 
+from pdproxy.proxy.alarms import Alarms
 from pdproxy.proxy.deadline import Deadline
 from pdproxy.proxy.random_ids import RandomHex
 
@@ -23,7 +24,7 @@ async def this_task() -> asyncio.Task[object]:
 def test_a_wait_past_the_deadline_becomes_a_timeout() -> None:
     async def body() -> None:
         task = await this_task()
-        with pytest.raises(TimeoutError), Deadline(task, 0.01) as deadline:
+        with pytest.raises(TimeoutError), Deadline(Alarms(task.get_loop()), task, 0.01) as deadline:
             await asyncio.sleep(5)
         assert deadline.expired()
         assert task.cancelling() == 0  # our cancellation was taken back
@@ -34,7 +35,7 @@ def test_a_wait_past_the_deadline_becomes_a_timeout() -> None:
 def test_a_block_that_ends_in_time_is_left_alone() -> None:
     async def body() -> str:
         task = await this_task()
-        with Deadline(task, 5) as deadline:
+        with Deadline(Alarms(task.get_loop()), task, 5) as deadline:
             await asyncio.sleep(0)
         assert not deadline.expired()
         await asyncio.sleep(0.02)  # the timer was cancelled: nothing fires later
@@ -46,7 +47,7 @@ def test_a_block_that_ends_in_time_is_left_alone() -> None:
 def test_no_delay_means_no_bound_until_rescheduled() -> None:
     async def body() -> None:
         task = await this_task()
-        with pytest.raises(TimeoutError), Deadline(task, None) as deadline:
+        with pytest.raises(TimeoutError), Deadline(Alarms(task.get_loop()), task, None) as deadline:
             assert deadline.when() is None
             await asyncio.sleep(0.01)
             deadline.reschedule(task.get_loop().time() + 0.01)
@@ -58,7 +59,7 @@ def test_no_delay_means_no_bound_until_rescheduled() -> None:
 def test_rescheduling_to_none_lifts_the_bound() -> None:
     async def body() -> None:
         task = await this_task()
-        with Deadline(task, 0.01) as deadline:
+        with Deadline(Alarms(task.get_loop()), task, 0.01) as deadline:
             deadline.reschedule(None)
             await asyncio.sleep(0.03)
         assert not deadline.expired()
@@ -69,7 +70,7 @@ def test_rescheduling_to_none_lifts_the_bound() -> None:
 def test_a_deadline_in_the_past_expires_at_the_next_wait() -> None:
     async def body() -> None:
         task = await this_task()
-        with pytest.raises(TimeoutError), Deadline(task, 5) as deadline:
+        with pytest.raises(TimeoutError), Deadline(Alarms(task.get_loop()), task, 5) as deadline:
             deadline.reschedule(task.get_loop().time() - 1)
             await asyncio.sleep(5)
         with pytest.raises(RuntimeError):
@@ -81,7 +82,7 @@ def test_a_deadline_in_the_past_expires_at_the_next_wait() -> None:
 def test_a_cancellation_from_elsewhere_stays_a_cancellation() -> None:
     async def victim(started: asyncio.Event) -> None:
         task = await this_task()
-        with Deadline(task, 5):
+        with Deadline(Alarms(task.get_loop()), task, 5):
             started.set()
             await asyncio.sleep(5)
 
@@ -101,7 +102,8 @@ def test_an_outer_cancellation_racing_the_deadline_is_not_swallowed() -> None:
     # asyncio.timeout), not be turned into a timeout.
     async def body() -> None:
         task = await this_task()
-        with pytest.raises(asyncio.CancelledError), Deadline(task, None) as deadline:
+        alarms = Alarms(task.get_loop())
+        with pytest.raises(asyncio.CancelledError), Deadline(alarms, task, None) as deadline:
             deadline.reschedule(task.get_loop().time() - 1)  # fires at the next wait
             task.cancel()  # the outer one, at the same time
             await asyncio.sleep(5)
@@ -114,9 +116,10 @@ def test_an_outer_cancellation_racing_the_deadline_is_not_swallowed() -> None:
 def test_nested_deadlines_blame_the_one_that_expired() -> None:
     async def body() -> str:
         task = await this_task()
-        with Deadline(task, 5) as outer:
+        alarms = Alarms(task.get_loop())  # one for both, as in the proxy
+        with Deadline(alarms, task, 5) as outer:
             try:
-                with Deadline(task, 0.01):
+                with Deadline(alarms, task, 0.01):
                     await asyncio.sleep(5)
             except TimeoutError:
                 pass
@@ -131,7 +134,7 @@ def test_a_bound_moved_later_again_and_again_holds_until_it_stops_moving() -> No
     async def body() -> None:
         task = await this_task()
         loop = task.get_loop()
-        with pytest.raises(TimeoutError), Deadline(task, 0.05) as deadline:
+        with pytest.raises(TimeoutError), Deadline(Alarms(task.get_loop()), task, 0.05) as deadline:
             for _ in range(20):  # 0.2 s in all, well past the first bound
                 await asyncio.sleep(0.01)
                 deadline.reschedule(loop.time() + 0.05)
@@ -147,7 +150,7 @@ def test_a_bound_lifted_while_armed_then_set_again_counts_from_the_new_time() ->
     async def body() -> None:
         task = await this_task()
         loop = task.get_loop()
-        with pytest.raises(TimeoutError), Deadline(task, 0.02) as deadline:
+        with pytest.raises(TimeoutError), Deadline(Alarms(task.get_loop()), task, 0.02) as deadline:
             deadline.reschedule(None)
             await asyncio.sleep(0.06)  # the armed timer fires and finds no bound
             assert not deadline.expired()
@@ -162,7 +165,7 @@ def test_a_bound_moved_earlier_fires_at_the_earlier_time() -> None:
         task = await this_task()
         loop = task.get_loop()
         began = loop.time()
-        with pytest.raises(TimeoutError), Deadline(task, 5) as deadline:
+        with pytest.raises(TimeoutError), Deadline(Alarms(task.get_loop()), task, 5) as deadline:
             deadline.reschedule(loop.time() + 0.01)
             await asyncio.sleep(5)
         assert loop.time() - began < 1.0
@@ -181,7 +184,7 @@ def test_random_hex_is_fresh_hex_of_the_asked_length() -> None:
 def test_a_bound_set_before_the_block_leaves_no_timer_behind() -> None:
     async def body() -> None:
         task = await this_task()
-        deadline = Deadline(task, 5)
+        deadline = Deadline(Alarms(task.get_loop()), task, 5)
         deadline.reschedule(task.get_loop().time() + 0.02)  # arms a timer before the block
         with deadline:
             pass

@@ -1,0 +1,121 @@
+"""The ASGI callable the HTTP server runs: the API key check, then the completion endpoints
+straight, everything else through FastAPI (and counted).
+
+Apart from `PdproxyApp` (proxy/app.py, which builds it and runs the lifespan) so that the
+compiled build compiles it: the server's task awaits this for every request, and each time the
+task resumes it passes through here.
+"""
+
+from __future__ import annotations
+
+from collections.abc import Awaitable, Callable, MutableMapping
+from typing import Any
+
+from pdproxy.metrics import Metrics
+from pdproxy.proxy.completions import CompletionsEndpoint
+from pdproxy.proxy.credentials import Credentials
+from pdproxy.proxy.errors import error_body
+from pdproxy.proxy.exchange import Scope
+
+COMPLETION_PATHS = ("/v1/completions", "/v1/chat/completions")
+COUNTED_PATHS = frozenset(
+    (
+        "/health",
+        "/ready",
+        "/metrics",
+        "/v1/models",
+        "/v1/instances",
+        "/v1/instances/pairs",
+        "/openapi.json",
+    )
+)  # any other path is counted as "other": client-chosen paths must not grow label sets
+
+Asgi = Callable[[Scope, Any, Any], Awaitable[None]]
+
+
+class Entry:
+    """`hot` and `metrics` are set for the lifespan (PdproxyApp's), empty and None outside."""
+
+    def __init__(self, api: Asgi, credentials: Credentials) -> None:
+        self._api = api
+        self._credentials = credentials
+        self.hot: dict[str, CompletionsEndpoint] = {}
+        self.metrics: Metrics | None = None
+
+    async def __call__(self, scope: Scope, receive: Any, send: Any) -> None:
+        if scope["type"] != "http":
+            await self._api(scope, receive, send)
+            return
+        path: str = scope["path"]
+        if (
+            self._credentials.needs_key(path)
+            and not _is_admin(scope)
+            and not self._credentials.client_allowed(_authorization(scope))
+        ):
+            await self._unauthorized(scope, send)
+            return
+        endpoint = self.hot.get(path)
+        if endpoint is not None:
+            await endpoint(scope, receive, send)
+            return
+        await self._counted(scope, receive, send)
+
+    async def _counted(self, scope: Scope, receive: Any, send: Any) -> None:
+        recorder = _StatusRecorder(send)
+        try:
+            await self._api(scope, receive, recorder)
+        finally:
+            if self.metrics is not None:
+                path = scope["path"] if scope["path"] in COUNTED_PATHS else "other"
+                self.metrics.count_request(path, str(recorder.status))
+
+    async def _unauthorized(self, scope: Scope, send: Any) -> None:
+        body = error_body(
+            401, "a valid API key is required (Authorization: Bearer KEY)", code="invalid_api_key"
+        )
+        await send(
+            {
+                "type": "http.response.start",
+                "status": 401,
+                "headers": [
+                    (b"content-type", b"application/json"),
+                    (b"content-length", str(len(body)).encode()),
+                    (b"www-authenticate", b'Bearer realm="pdproxy"'),
+                ],
+            }
+        )
+        await send({"type": "http.response.body", "body": body, "more_body": False})
+        if self.metrics is not None:
+            self.metrics.refused.labels("unauthorized").inc()
+            path = scope["path"]
+            counted = path if path in COMPLETION_PATHS or path in COUNTED_PATHS else "other"
+            self.metrics.count_request(counted, "401")
+
+
+class _StatusRecorder:
+    """An ASGI `send` that notes the response's status (500 until one is sent)."""
+
+    def __init__(self, send: Any) -> None:
+        self._send = send
+        self.status = 500
+
+    async def __call__(self, message: MutableMapping[str, Any]) -> None:
+        if message["type"] == "http.response.start":
+            self.status = message["status"]
+        await self._send(message)
+
+
+def _authorization(scope: Scope) -> str | None:
+    for name, value in scope["headers"]:
+        if name == b"authorization":
+            text: str = value.decode("latin-1")
+            return text
+    return None
+
+
+def _is_admin(scope: Scope) -> bool:
+    """Admin endpoints answer to the admin token, not to client keys."""
+    path: str = scope["path"]
+    return path.startswith("/v1/admin/") or (
+        path.startswith("/v1/instances") and scope["method"] not in ("GET", "HEAD")
+    )
