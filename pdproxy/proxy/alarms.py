@@ -6,11 +6,12 @@ close callback: about 2.3 µs per arm and cancel, measured on this VM, some 9 µ
 Nearly all of those timers are cancelled long before they are due.
 
 `Alarms` keeps the bounds in slots of time instead, in a dict, and arms one loop timer for the
-earliest slot. A bound more than `FINE_HORIZON` away goes into a coarse slot (a whole second,
-at or before it); when that slot is due, the bound, if it is still waited on, moves to the fine
-slot (`FINE_SLOTS_PER_SECOND`) at or after it. So a request that ends within a second of
-starting, nearly all of them, only adds itself to a dict and removes itself again, and the
-slots kept for far bounds number one per second of the longest timeout, not one per request.
+earliest slot. A bound whose whole second begins more than `FINE_HORIZON` from now goes into
+the coarse slot of that second (at or before the bound); when that slot is due, the bound, if
+it is still waited on, moves to the fine slot (`FINE_SLOTS_PER_SECOND`) at or after it. So a
+request that ends within a second of starting, nearly all of them, only adds itself to a dict
+and removes itself again, and the slots kept for far bounds number one per second of the
+longest timeout, not one per request.
 
 A bound is kept late by at most one fine slot (10 ms), never early (beyond the loop timer's own
 millisecond rounding).
