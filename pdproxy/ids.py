@@ -51,7 +51,7 @@ class Address:
     def __post_init__(self) -> None:
         object.__setattr__(self, "_text", f"{self.host}:{self.port}")
         object.__setattr__(self, "_hash", hash((self.host, self.port)))
-        object.__setattr__(self, "id_safe", _host_ok(self.host) and 1 <= self.port <= 65535)
+        object.__setattr__(self, "id_safe", _host_ok(self.host) and _port_ok(self.port))
 
     def __str__(self) -> str:
         return self._text
@@ -97,8 +97,12 @@ def validate_host(host: str) -> None:
         )
 
 
+def _port_ok(port: int) -> bool:
+    return 1 <= port <= 65535
+
+
 def validate_port(port: int) -> None:
-    if not 1 <= port <= 65535:
+    if not _port_ok(port):
         raise AddressError(f"port {port} is outside 1..65535")
 
 

@@ -66,7 +66,7 @@ class Alarms:
         schedules later (as a timer armed for the past would not), and cannot be removed: the
         alarm must ignore a ring for a slot it has left."""
         now = self._loop.time()
-        key = math.ceil(when * FINE_SLOTS_PER_SECOND)
+        key = self.slot_of(when)
         if when <= now:
             self._loop.call_soon(alarm.ring, key)
             return key
