@@ -84,7 +84,7 @@ CONTENT_TYPE = CONTENT_TYPE_LATEST
 PREFILL = "prefill"
 DECODE = "decode"
 LEG_ROLES = (PREFILL, DECODE)  # the role label of in-flight legs and upstream errors
-REFUSALS = ("queue_full", "queue_timeout", "draining", "unauthorized")
+REFUSALS = ("queue_full", "queue_timeout", "draining", "unauthorized", "ambiguous_authorization")
 
 
 # pdproxy_inflight_requests: a gauge with several workers, else read by _InflightCollector.
@@ -220,7 +220,7 @@ class Metrics:
         self.refused = Counter(
             "pdproxy_refused_requests",
             "Requests refused before any work, by reason (queue_full, queue_timeout, draining, "
-            "unauthorized).",
+            "unauthorized, ambiguous_authorization: several Authorization headers).",
             ["reason"],
             registry=r,
         )

@@ -47,12 +47,26 @@ class Entry:
             await self._api(scope, receive, send)
             return
         path: str = scope["path"]
+        authorization = _authorization(scope)
+        if authorization is _AMBIGUOUS:
+            await self._refuse(
+                scope, send, 400, _AMBIGUOUS_MESSAGE, "invalid_request", (), _AMBIGUOUS_REASON
+            )
+            return
         if (
             self._credentials.needs_key(path)
             and not _is_admin(scope)
-            and not self._credentials.client_allowed(_authorization(scope))
+            and not self._credentials.client_allowed(authorization)
         ):
-            await self._unauthorized(scope, send)
+            await self._refuse(
+                scope,
+                send,
+                401,
+                _UNAUTHORIZED_MESSAGE,
+                "invalid_api_key",
+                _CHALLENGE,
+                "unauthorized",
+            )
             return
         endpoint = self.hot.get(path)
         if endpoint is not None:
@@ -69,27 +83,35 @@ class Entry:
                 path = scope["path"] if scope["path"] in COUNTED_PATHS else "other"
                 self.metrics.count_request(path, str(recorder.status))
 
-    async def _unauthorized(self, scope: Scope, send: Any) -> None:
-        body = error_body(
-            401, "a valid API key is required (Authorization: Bearer KEY)", code="invalid_api_key"
-        )
+    async def _refuse(
+        self,
+        scope: Scope,
+        send: Any,
+        status: int,
+        message: str,
+        code: str,
+        headers: tuple[tuple[bytes, bytes], ...],
+        reason: str,
+    ) -> None:
+        """Answer before the request reaches an endpoint (its body is never read)."""
+        body = error_body(status, message, code=code)
         await send(
             {
                 "type": "http.response.start",
-                "status": 401,
+                "status": status,
                 "headers": [
                     (b"content-type", b"application/json"),
                     (b"content-length", str(len(body)).encode()),
-                    (b"www-authenticate", b'Bearer realm="pdproxy"'),
+                    *headers,
                 ],
             }
         )
         await send({"type": "http.response.body", "body": body, "more_body": False})
         if self.metrics is not None:
-            self.metrics.refused.labels("unauthorized").inc()
+            self.metrics.refused.labels(reason).inc()
             path = scope["path"]
             counted = path if path in COMPLETION_PATHS or path in COUNTED_PATHS else "other"
-            self.metrics.count_request(counted, "401")
+            self.metrics.count_request(counted, str(status))
 
 
 class _StatusRecorder:
@@ -105,12 +127,24 @@ class _StatusRecorder:
         await self._send(message)
 
 
+_UNAUTHORIZED_MESSAGE = "a valid API key is required (Authorization: Bearer KEY)"
+_CHALLENGE = ((b"www-authenticate", b'Bearer realm="pdproxy"'),)
+# Several Authorization headers: which one a check reads and which one is forwarded could
+# differ, so the request is refused whatever they say.
+_AMBIGUOUS = "several"
+_AMBIGUOUS_MESSAGE = "a request may carry one Authorization header, not several"
+_AMBIGUOUS_REASON = "ambiguous_authorization"
+
+
 def _authorization(scope: Scope) -> str | None:
+    """The Authorization header, None without one, `_AMBIGUOUS` with several."""
+    found: str | None = None
     for name, value in scope["headers"]:
         if name == b"authorization":
-            text: str = value.decode("latin-1")
-            return text
-    return None
+            if found is not None:
+                return _AMBIGUOUS
+            found = value.decode("latin-1")
+    return found
 
 
 def _is_admin(scope: Scope) -> bool:

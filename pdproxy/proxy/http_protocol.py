@@ -49,9 +49,18 @@ READ_HIGH_WATER = 65536
 # Requests parsed ahead while an earlier one is answered; a client pipelining more is cut off
 # (one read can carry thousands of small requests).
 MAX_PIPELINED = 16
-# A request line and headers larger than this are refused (400), as is a head still
-# incomplete one idle timeout after it began.
+# A request head (request line and header fields) is refused (431) past this many bytes
+# received, line ends and empty fields included, or past MAX_HEADERS fields; a head still
+# incomplete one idle timeout after it began is closed.
 MAX_HEAD_BYTES = 65536
+MAX_HEADERS = 100
+# Bytes of a request body received without the parser delivering any of it (chunk-size lines,
+# chunk extensions, trailer fields): refused (400) past this many.
+MAX_FRAMING_BYTES = 65536
+# After an answer given before its request's body had arrived, at most this much more of the
+# body is read and dropped, within DISCARD_SECONDS in all; past either the connection closes.
+MAX_DISCARD_BYTES = 65536
+DISCARD_SECONDS = 5.0
 
 # The checks of a response head delete what is allowed (bytes.translate, one C pass: a
 # regular expression's search costs about three times as much) and refuse what is left.
@@ -122,9 +131,21 @@ class HttpProtocol(asyncio.Protocol):
         self._url = b""
         self._headers: list[tuple[bytes, bytes]] = []
         self._expect_continue = False
-        self._head_bytes = 0
+        self._head_bytes = 0  # the head's bytes as the parser delivers them (see _count_head)
         self._head_began: float | None = None  # loop time a head began; None once complete
         self._parsing: _Cycle | None = None
+        # Bytes received while a head is due (a request line or header fields): the parser
+        # keeps a partial line to itself, so the bound is applied to what it is fed.
+        self._in_head = True
+        self._head_received = 0
+        # Body bytes received since the parser last delivered any body (see MAX_FRAMING_BYTES).
+        self._framing_bytes = 0
+        # While an answered request's body is still arriving: how much more may be dropped.
+        self._discard_left: int | None = None
+        # An upgrade request (Upgrade or CONNECT) was parsed: this connection ends with its
+        # answer, the parser is not fed again, and `_body_parser` reads the request's body.
+        self._upgraded = False
+        self._body_parser: httptools.HttpRequestParser | None = None
 
     # -- asyncio.Protocol --------------------------------------------------------------------
 
@@ -155,19 +176,87 @@ class HttpProtocol(asyncio.Protocol):
         return None
 
     def data_received(self, data: bytes) -> None:
-        try:
-            self._parser.feed_data(data)
-        except httptools.HttpParserUpgrade:
-            log.warning("unsupported upgrade request; served as plain HTTP")
-        except httptools.HttpParserError as exc:
-            log.warning("invalid HTTP request received: %s", exc)
-            self._refuse_malformed()
+        if self._upgraded:
+            self._receive_after_upgrade(data)
             return
-        if self._cycle is None:
-            # Between requests (a partial request, or a body trickling in after an early
-            # answer): still bounded by the idle timeout; a head by one timeout in all.
+        if self._in_head:
+            room = MAX_HEAD_BYTES - self._head_received
+            if len(data) >= room:
+                # Fed only up to the bound: the head ends within it or is refused, and the
+                # parser never holds more of a partial line than that.
+                if not self._feed(data[:room]):
+                    return
+                if self._in_head:
+                    self._refuse(431, b"Request header fields too large.")
+                    return
+                data = data[room:]
+            else:
+                self._head_received += len(data)
+        else:
+            self._framing_bytes += len(data)
+            if self._discard_left is not None:
+                self._discard_left -= len(data)
+                if self._discard_left < 0:
+                    self._close()  # an answered request's body that does not end
+                    return
+        if not self._feed(data):
+            return
+        if self._framing_bytes > MAX_FRAMING_BYTES and not self._in_head:
+            self._refuse(400, b"Invalid HTTP request received.")
+            return
+        if self._cycle is None and self._discard_left is None:
+            # Between requests (a partial request): still bounded by the idle timeout; a head
+            # by one timeout in all. A body dropped after an early answer keeps its bound.
             began = self._head_began
             self._idle_by((self._loop.time() if began is None else began) + self._idle_seconds)
+
+    def _feed(self, data: bytes) -> bool:
+        """Parse `data`; False if the connection was refused or is now past its requests."""
+        try:
+            self._parser.feed_data(data)
+        except httptools.HttpParserUpgrade as upgrade:
+            self._upgraded = True
+            self._receive_after_upgrade(data[upgrade.args[0] :])
+            return False
+        except httptools.HttpParserError as exc:
+            if isinstance(exc.__context__, _HeadTooLarge):
+                log.warning("request head refused: %s", exc.__context__)
+                self._refuse(431, b"Request header fields too large.")
+            else:
+                log.warning("invalid HTTP request received: %s", exc)
+                self._refuse(400, b"Invalid HTTP request received.")
+            return False
+        return True
+
+    def _receive_after_upgrade(self, data: bytes) -> None:
+        """The upgrade request's body, if it has one; anything after it is dropped (bounded),
+        never parsed as a request: the connection closes with the answer."""
+        if not data:
+            return
+        body_parser = self._body_parser
+        if body_parser is None:
+            self._drop_after_upgrade(len(data))
+            return
+        self._framing_bytes += len(data)
+        try:
+            body_parser.feed_data(data)
+        except httptools.HttpParserError as exc:
+            if self._body_parser is None:
+                # The body ended and bytes follow it (its parser is told the connection
+                # closes there): dropped, all of `data` counted, as its offset is not told.
+                self._drop_after_upgrade(len(data))
+            else:
+                log.warning("invalid HTTP request body received: %s", exc)
+                self._refuse(400, b"Invalid HTTP request received.")
+            return
+        if self._framing_bytes > MAX_FRAMING_BYTES:
+            self._refuse(400, b"Invalid HTTP request received.")
+
+    def _drop_after_upgrade(self, size: int) -> None:
+        left = MAX_DISCARD_BYTES if self._discard_left is None else self._discard_left
+        self._discard_left = left - size
+        if self._discard_left < 0:
+            self._close()
 
     def pause_writing(self) -> None:
         self.write_paused = True
@@ -179,6 +268,7 @@ class HttpProtocol(asyncio.Protocol):
     # -- httptools callbacks -----------------------------------------------------------------
 
     def on_message_begin(self) -> None:
+        self._discard_left = None  # a new request: the one before it ended whole
         self._url = b""
         self._headers = []
         self._expect_continue = False
@@ -190,7 +280,12 @@ class HttpProtocol(asyncio.Protocol):
         self._count_head(len(url))
 
     def on_header(self, name: bytes, value: bytes) -> None:
-        self._count_head(len(name) + len(value))
+        if not self._in_head:
+            return  # a chunked body's trailer field: not a header of the request, dropped
+        # ": " and the line end count too, so that empty fields are not free.
+        self._count_head(len(name) + len(value) + 4)
+        if len(self._headers) >= MAX_HEADERS:
+            raise _HeadTooLarge(f"more than {MAX_HEADERS} header fields")
         name = name.lower()
         if name == b"expect" and value.lower() == b"100-continue":
             self._expect_continue = True
@@ -199,11 +294,14 @@ class HttpProtocol(asyncio.Protocol):
     def _count_head(self, size: int) -> None:
         self._head_bytes += size
         if self._head_bytes > MAX_HEAD_BYTES:
-            # Raised inside a parser callback: the parser fails, and the request gets a 400.
-            raise ValueError(f"request head larger than {MAX_HEAD_BYTES} bytes")
+            # Raised inside a parser callback: the parser fails, and the request gets a 431.
+            raise _HeadTooLarge(f"request head larger than {MAX_HEAD_BYTES} bytes")
 
     def on_headers_complete(self) -> None:
         self._head_began = None
+        self._in_head = False
+        self._head_received = 0
+        self._framing_bytes = 0
         parser = self._parser
         version = parser.get_http_version()
         # Any: httptools' stub types `query` as bytes, and it is None when there is none.
@@ -233,6 +331,12 @@ class HttpProtocol(asyncio.Protocol):
         cycle = _Cycle(self, scope, keep_alive, self._expect_continue and not old_client)
         scope["extensions"] = {DISCONNECT_HOOK: cycle.on_disconnect}
         self._parsing = cycle
+        if parser.should_upgrade():
+            # Upgrade (h2c, WebSocket) or CONNECT: served as a plain request and the last on
+            # this connection. httptools skips such a request's body and would parse whatever
+            # follows as new requests; a parser of its own reads the body instead.
+            cycle.keep_alive = False
+            self._body_parser = _body_parser(self._headers, _BodyOnly(self))
         if self._cycle is None:
             self._start(cycle)
         else:  # pipelined: answered in order, and no more is read until it is its turn
@@ -242,6 +346,7 @@ class HttpProtocol(asyncio.Protocol):
             self._pipeline.append(cycle)
 
     def on_body(self, body: bytes) -> None:
+        self._framing_bytes = 0
         cycle = self._parsing
         if cycle is None or cycle.complete:
             return
@@ -251,7 +356,17 @@ class HttpProtocol(asyncio.Protocol):
         cycle.wake()
 
     def on_message_complete(self) -> None:
+        if self._body_parser is not None and not self._upgraded:
+            return  # the upgrade request's body is still to come, through its own parser
+        self._in_head = True
+        self._framing_bytes = 0
         cycle = self._parsing
+        if self._discard_left is not None and cycle is not None and cycle.complete:
+            # The body of a request answered early ended within its bounds: the connection
+            # idles again until the next request.
+            self._discard_left = None
+            if self._cycle is None:
+                self._idle_from_now()
         if cycle is None or cycle.complete:
             return
         cycle.more_body = False
@@ -319,7 +434,12 @@ class HttpProtocol(asyncio.Protocol):
             self._start(self._pipeline.popleft())
         self.resume_reading()  # after taking from the queue: reading waits for it to empty
         if self._cycle is None:
-            self._idle_from_now()
+            if cycle.more_body and not self._upgraded:
+                # Answered before its body arrived: the rest is dropped, within bounds.
+                self._discard_left = MAX_DISCARD_BYTES
+                self._idle_by(self._loop.time() + min(DISCARD_SECONDS, self._idle_seconds))
+            else:
+                self._idle_from_now()
 
     # -- internals ---------------------------------------------------------------------------
 
@@ -371,15 +491,20 @@ class HttpProtocol(asyncio.Protocol):
         if self.transport is not None and not self.transport.is_closing():
             self.transport.close()
 
-    def _refuse_malformed(self) -> None:
+    def _close(self) -> None:
+        if self.transport is not None and not self.transport.is_closing():
+            self.transport.close()
+
+    def _refuse(self, status: int, message: bytes) -> None:
+        """Answer `status` with `message` and close: nothing more is read from a client whose
+        request could not be parsed or is out of bounds."""
         if self.transport is None or self.transport.is_closing():
             return
         if self._cycle is not None and not self._cycle.complete:
             # An answer is being written on this connection: it cannot be interleaved.
             self.transport.close()
             return
-        message = b"Invalid HTTP request received."
-        head = [self.status_line(400)]
+        head = [self.status_line(status)]
         head.extend(b"%s: %s\r\n" % pair for pair in self.default_headers)
         head.append(
             b"content-type: text/plain; charset=utf-8\r\ncontent-length: %d\r\n"
@@ -387,6 +512,42 @@ class HttpProtocol(asyncio.Protocol):
         )
         self.transport.write(b"".join(head) + message)
         self.transport.close()
+
+
+class _HeadTooLarge(ValueError):
+    """A request head out of bounds: answered 431, not 400."""
+
+
+class _BodyOnly:
+    """The callbacks of an upgrade request's body parser: the body goes to the request."""
+
+    __slots__ = ("_conn",)
+
+    def __init__(self, conn: HttpProtocol) -> None:
+        self._conn = conn
+
+    def on_body(self, body: bytes) -> None:
+        self._conn.on_body(body)
+
+    def on_message_complete(self) -> None:
+        conn = self._conn
+        conn._body_parser = None  # the body is whole; the rest of the stream is dropped
+        conn.on_message_complete()
+
+
+def _body_parser(
+    headers: list[tuple[bytes, bytes]], callbacks: _BodyOnly
+) -> httptools.HttpRequestParser | None:
+    """A parser primed with a head that carries only the request's framing headers, so that
+    it reads the body exactly as the request declared it and refuses anything after it; None
+    if the request declared no body."""
+    framing = [(n, v) for n, v in headers if n in (b"content-length", b"transfer-encoding")]
+    if all(name == b"content-length" and value.strip() == b"0" for name, value in framing):
+        return None
+    parser = httptools.HttpRequestParser(callbacks)
+    lines = b"".join(b"%s: %s\r\n" % pair for pair in framing)
+    parser.feed_data(b"POST / HTTP/1.1\r\nconnection: close\r\n" + lines + b"\r\n")
+    return parser
 
 
 class _Cycle:

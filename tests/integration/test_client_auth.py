@@ -2,9 +2,11 @@
 
 from __future__ import annotations
 
+import http.client
 import json
 from collections.abc import Iterator
 from pathlib import Path
+from urllib.parse import urlsplit
 
 import pytest
 
@@ -255,3 +257,52 @@ def test_an_unreadable_key_file_stops_the_start(tmp_path: Path) -> None:
         assert "missing" in proxy.log_tail() and "Traceback" not in proxy.log_tail()
     finally:
         proxy.stop()
+
+
+def _raw_post(url: str, head_fields: list[tuple[str, str]], body: bytes) -> Answer:
+    """A POST whose header fields are sent exactly as listed (repeats included)."""
+    parts = urlsplit(url)
+    conn = http.client.HTTPConnection(parts.hostname or "", parts.port, timeout=30)
+    try:
+        conn.putrequest("POST", parts.path)
+        for name, value in head_fields:
+            conn.putheader(name, value)
+        conn.endheaders(body)
+        response = conn.getresponse()
+        headers = {k.lower(): v for k, v in response.getheaders()}
+        return Answer(response.status, headers, response.read())
+    finally:
+        conn.close()
+
+
+@pytest.mark.parametrize(
+    "keys", [(KEY, "sk-wrong"), ("sk-wrong", KEY), (KEY, KEY)], ids=["good-bad", "bad-good", "same"]
+)
+def test_several_authorization_headers_are_refused(
+    fleet: LocalFleet, keys: tuple[str, str]
+) -> None:
+    body = json.dumps(GOOD).encode()
+    legs_before = len(fleet.completion_requests())
+    refused_before = metric_value(
+        fleet.proxy_url, "pdproxy_refused_requests_total", {"reason": "ambiguous_authorization"}
+    )
+    fields = [("Content-Type", "application/json"), ("Content-Length", str(len(body)))]
+    fields += [("Authorization", f"Bearer {key}") for key in keys]
+    answer = _raw_post(fleet.proxy_url + "/v1/completions", fields, body)
+    assert answer.status == 400, answer.body
+    error = answer.json()["error"]
+    assert set(error) == {"message", "type", "param", "code"}
+    assert "one Authorization header" in error["message"]
+    assert len(fleet.completion_requests()) == legs_before  # nothing went upstream
+    refused_after = metric_value(
+        fleet.proxy_url, "pdproxy_refused_requests_total", {"reason": "ambiguous_authorization"}
+    )
+    assert refused_after == refused_before + 1
+
+
+def test_a_key_sent_only_as_a_trailer_is_not_a_key(fleet: LocalFleet) -> None:
+    body = json.dumps(GOOD).encode()
+    chunked = b"%x\r\n%s\r\n0\r\nAuthorization: Bearer %s\r\n\r\n" % (len(body), body, KEY.encode())
+    fields = [("Content-Type", "application/json"), ("Transfer-Encoding", "chunked")]
+    answer = _raw_post(fleet.proxy_url + "/v1/completions", fields, chunked)
+    assert_401(answer)
