@@ -18,13 +18,9 @@ from pdproxy.proxy.http_protocol import (
     MAX_HEAD_BYTES,
     MAX_HEADERS,
 )
+from tests.integration.http_harness import Served, read_response, read_to_close
 from tests.integration.support import closed_by_peer
-from tests.integration.test_http_protocol import (
-    IDLE_SECONDS,
-    Served,
-    _read_response,
-    _read_to_close,
-)
+from tests.integration.test_http_protocol import IDLE_SECONDS
 
 H2C = b"Connection: Upgrade, HTTP2-Settings\r\nUpgrade: h2c\r\nHTTP2-Settings: AAMAAABkAAQAAP__\r\n"
 SMUGGLED = b"GET /smuggled HTTP/1.1\r\nHost: x\r\n\r\n"
@@ -73,7 +69,7 @@ def test_h2c_upgrade_request_is_served_whole_and_nothing_after_it_is_parsed(
     with served.raw() as sock:
         head = b"POST /echo HTTP/1.1\r\nHost: x\r\n" + H2C + b"Content-Length: 5\r\n\r\n"
         sock.sendall(head + b"hello" + SMUGGLED)  # head, body and a second request: one segment
-        data = _read_to_close(sock)
+        data = read_to_close(sock)
     assert data.count(b"HTTP/1.1 ") == 1, data
     assert data.endswith(b"POST /echo |hello")  # the body was not lost
     assert b"connection: close" in data.lower()
@@ -90,7 +86,7 @@ def test_upgrade_request_with_a_chunked_body_in_pieces(served: Served) -> None:
         sock.sendall(b"3\r\nabc\r\n")
         time.sleep(0.1)
         sock.sendall(b"2\r\nde\r\n0\r\n\r\n" + SMUGGLED)
-        data = _read_to_close(sock)
+        data = read_to_close(sock)
     assert data.count(b"HTTP/1.1 ") == 1, data
     assert data.endswith(b"POST /echo |abcde")
 
@@ -102,7 +98,7 @@ def test_connect_is_answered_once_and_the_tunnel_bytes_are_not_requests(served: 
         sock.sendall(b"CONNECT /tunnel HTTP/1.1\r\nHost: example.com:443\r\n\r\n")
         time.sleep(0.1)
         sock.sendall(SMUGGLED)  # in a segment of its own
-        data = _read_to_close(sock)
+        data = read_to_close(sock)
     assert data.count(b"HTTP/1.1 ") == 1, data
     assert data.endswith(b"CONNECT /tunnel |")
     assert b"connection: close" in data.lower()
@@ -114,7 +110,7 @@ def test_authority_form_connect_is_refused(served: Served) -> None:
         sock.sendall(b"CONNECT example.com:443 HTTP/1.1\r\nHost: example.com:443\r\n\r\n")
         time.sleep(0.1)
         sock.sendall(SMUGGLED)
-        data = _read_to_close(sock)
+        data = read_to_close(sock)
     assert data.startswith(b"HTTP/1.1 400 ") and data.count(b"HTTP/1.1 ") == 1, data
 
 
@@ -148,7 +144,7 @@ def test_header_line_that_never_ends_is_refused_at_the_bound(served: Served) -> 
         finally:
             stop.set()
             prober.join(30)
-        answer = _read_response(sock)
+        answer = read_response(sock)
     assert answer.startswith(b"HTTP/1.1 431 ")
     assert sent <= MAX_HEAD_BYTES + 2 * len(piece) + 65536 * 4  # socket buffers hold a little
     assert latencies and max(latencies) < 2.0  # the loop was never held for long
@@ -158,7 +154,7 @@ def test_many_empty_header_fields_are_refused(served: Served) -> None:
     with served.raw() as sock:
         fields = b"a:\r\n" * (MAX_HEADERS + 1)
         sock.sendall(b"GET /echo HTTP/1.1\r\nHost: x\r\n" + fields + b"\r\n")
-        assert _read_response(sock).startswith(b"HTTP/1.1 431 ")
+        assert read_response(sock).startswith(b"HTTP/1.1 431 ")
         assert closed_by_peer(sock, 5)
 
 
@@ -166,7 +162,7 @@ def test_the_most_header_fields_allowed_are_served(served: Served) -> None:
     with served.raw() as sock:
         fields = b"".join(b"x-%d: v\r\n" % i for i in range(MAX_HEADERS - 1))
         sock.sendall(b"GET /echo HTTP/1.1\r\nHost: x\r\n" + fields + b"\r\n")
-        assert _read_response(sock).endswith(b"GET /echo |")
+        assert read_response(sock).endswith(b"GET /echo |")
 
 
 # -- bodies nobody reads ------------------------------------------------------------------
@@ -176,7 +172,7 @@ def test_body_trickling_after_an_early_answer_is_cut_off(served: Served) -> None
     bound = min(DISCARD_SECONDS, IDLE_SECONDS)
     with served.raw() as sock:
         sock.sendall(b"POST /early HTTP/1.1\r\nHost: x\r\nContent-Length: 100000\r\n\r\n")
-        assert _read_response(sock).endswith(b"early")
+        assert read_response(sock).endswith(b"early")
         began = time.monotonic()
         closed = False
         while not closed and time.monotonic() - began < bound + 4:
@@ -189,14 +185,14 @@ def test_body_trickling_after_an_early_answer_is_cut_off(served: Served) -> None
 def test_body_flood_after_an_early_answer_is_cut_off(served: Served) -> None:
     with served.raw() as sock:
         sock.sendall(b"POST /early HTTP/1.1\r\nHost: x\r\nContent-Length: 1000000000000\r\n\r\n")
-        assert _read_response(sock).endswith(b"early")
+        assert read_response(sock).endswith(b"early")
         assert _flood_cut_off(sock, b"x" * 65536)
 
 
 def test_chunk_flood_after_an_early_answer_is_cut_off(served: Served) -> None:
     with served.raw() as sock:
         sock.sendall(b"POST /early HTTP/1.1\r\nHost: x\r\nTransfer-Encoding: chunked\r\n\r\n")
-        assert _read_response(sock).endswith(b"early")
+        assert read_response(sock).endswith(b"early")
         assert _flood_cut_off(sock, b"1\r\nx\r\n" * 10000)
     assert _echo_latency(served) < 2.0
 
@@ -204,9 +200,9 @@ def test_chunk_flood_after_an_early_answer_is_cut_off(served: Served) -> None:
 def test_short_rest_of_an_early_answered_body_keeps_the_connection(served: Served) -> None:
     with served.raw() as sock:
         sock.sendall(b"POST /early HTTP/1.1\r\nHost: x\r\nContent-Length: 10\r\n\r\n")
-        assert _read_response(sock).endswith(b"early")
+        assert read_response(sock).endswith(b"early")
         sock.sendall(b"0123456789GET /echo HTTP/1.1\r\nHost: x\r\n\r\n")
-        assert _read_response(sock).endswith(b"GET /echo |")
+        assert read_response(sock).endswith(b"GET /echo |")
 
 
 def test_endless_chunk_extension_is_refused(served: Served) -> None:
@@ -224,7 +220,7 @@ def test_trailer_fields_are_not_request_headers(served: Served) -> None:
             b"POST /headers HTTP/1.1\r\nHost: x\r\nTransfer-Encoding: chunked\r\n\r\n"
             b"3\r\nabc\r\n0\r\nAuthorization: Bearer sneaked\r\nX-Trailer: 1\r\n\r\n"
         )
-        answer = _read_response(sock)
+        answer = read_response(sock)
     assert answer.endswith(b"|abc")
     assert b"sneaked" not in answer and b"x-trailer" not in answer.lower()
 

@@ -1,65 +1,39 @@
 """pdproxy's HTTP/1.1 protocol (pdproxy/proxy/http_protocol.py) over real loopback sockets.
 
-A small ASGI application is served by the protocol on an event loop in a thread; the tests
-speak HTTP to it with http.client and with raw sockets where the byte layout matters
-(pipelining, 100-continue, malformed requests, one write per answer).
+A small ASGI application is served by the protocol on an event loop in a thread (the harness
+is http_harness.py); the tests speak HTTP to it with http.client and with raw sockets where the
+byte layout matters (pipelining, 100-continue, malformed requests, one write per answer). The
+conformance suite (test_http_conformance.py) covers the rest of HTTP/1.1's ground.
 """
 
 from __future__ import annotations
 
 import asyncio
-import contextlib
 import http.client
 import re
 import socket
-import threading
 import time
 from collections.abc import Iterator
 from typing import Any
 
 import pytest
-import uvloop
-from uvicorn.config import Config
-from uvicorn.server import ServerState
 
-from pdproxy.proxy.http_protocol import (
-    DISCONNECT_HOOK,
-    MAX_HEAD_BYTES,
-    MAX_PIPELINED,
-    HttpProtocol,
+from pdproxy.proxy.http_protocol import DISCONNECT_HOOK, MAX_HEAD_BYTES, MAX_PIPELINED
+from tests.integration.http_harness import (
+    Recorder,
+    Served,
+    read_response,
+    read_to_close,
+    serving,
 )
 from tests.integration.support import closed_by_peer, read_until
 
-HOST = "127.0.0.1"
 IDLE_SECONDS = 1
 BIG = 8 * 1024 * 1024
 
 
 class Fatal(BaseException):
     """Not an Exception: what a task may still end with (GeneratorExit, exception groups)."""
-
-
-class Recorder:
-    """What the application saw, for the tests to assert on."""
-
-    def __init__(self) -> None:
-        self.events: list[str] = []
-        self.send_waits: list[float] = []
-        self.changed = threading.Event()
-
-    def note(self, event: str) -> None:
-        self.events.append(event)
-        self.changed.set()
-
-    def wait_for(self, event: str, timeout: float = 5.0) -> bool:
-        deadline = time.monotonic() + timeout
-        while event not in self.events:
-            left = deadline - time.monotonic()
-            if left <= 0:
-                return False
-            self.changed.wait(left)
-            self.changed.clear()
-        return True
 
 
 async def _read_all(receive: Any) -> bytes:
@@ -203,137 +177,11 @@ def _app(recorder: Recorder) -> Any:
     return app
 
 
-class CountedWrites:
-    """Passes everything to the real transport and counts the writes (system calls)."""
-
-    def __init__(self, transport: asyncio.BaseTransport, writes: list[bytes]) -> None:
-        self._transport = transport
-        self._writes = writes
-
-    def write(self, data: bytes) -> None:
-        self._writes.append(bytes(data))
-        self._transport.write(data)  # type: ignore[attr-defined]
-
-    def __getattr__(self, name: str) -> Any:
-        return getattr(self._transport, name)
-
-
-class CountingProtocol(asyncio.Protocol):
-    """The server's protocol with its transport's writes counted. A wrapper, not a subclass:
-    the compiled build's HttpProtocol cannot be subclassed by interpreted code."""
-
-    def __init__(self, inner: HttpProtocol, writes: list[bytes]) -> None:
-        self._inner = inner
-        self._writes = writes
-
-    def connection_made(self, transport: asyncio.BaseTransport) -> None:
-        self._inner.connection_made(CountedWrites(transport, self._writes))  # type: ignore[arg-type]
-
-    def data_received(self, data: bytes) -> None:
-        self._inner.data_received(data)
-
-    def eof_received(self) -> bool | None:
-        return self._inner.eof_received()
-
-    def connection_lost(self, exc: Exception | None) -> None:
-        self._inner.connection_lost(exc)
-
-    def pause_writing(self) -> None:
-        self._inner.pause_writing()
-
-    def resume_writing(self) -> None:
-        self._inner.resume_writing()
-
-
-class Served:
-    def __init__(self, port: int, recorder: Recorder, state: ServerState) -> None:
-        self.port = port
-        self.recorder = recorder
-        self.state = state
-        self.writes: list[bytes] = []
-
-    def connect(self) -> contextlib.closing[http.client.HTTPConnection]:
-        return contextlib.closing(http.client.HTTPConnection(HOST, self.port, timeout=10))
-
-    def raw(self) -> socket.socket:
-        return socket.create_connection((HOST, self.port), timeout=10)
-
-
 @pytest.fixture(params=["asyncio", "uvloop"])
 def served(request: pytest.FixtureRequest) -> Iterator[Served]:
     recorder = Recorder()
-    config = Config(_app(recorder), lifespan="off", timeout_keep_alive=IDLE_SECONDS)
-    config.load()
-    state = ServerState()
-    state.default_headers = [(b"date", b"Wed, 25 Nov 2026 12:00:00 GMT")]
-    # Both loops: uvloop's transports are not asyncio's classes (the proxy serves on uvloop).
-    loop = uvloop.new_event_loop() if request.param == "uvloop" else asyncio.new_event_loop()
-    ready = threading.Event()
-    holder: dict[str, Any] = {}
-
-    writes: list[bytes] = []
-
-    def protocol() -> CountingProtocol:
-        return CountingProtocol(HttpProtocol(config, state, {}, loop), writes)
-
-    async def start() -> None:
-        server = await loop.create_server(protocol, HOST, 0, reuse_address=True)
-        holder["server"] = server
-        holder["port"] = server.sockets[0].getsockname()[1]
-        ready.set()
-
-    thread = threading.Thread(target=loop.run_forever, daemon=True)
-    thread.start()
-    asyncio.run_coroutine_threadsafe(start(), loop).result(10)
-    served = Served(holder["port"], recorder, state)
-    served.writes = writes
-    try:
+    with serving(_app(recorder), recorder, request.param, IDLE_SECONDS) as served:
         yield served
-    finally:
-
-        async def stop() -> None:
-            holder["server"].close()
-            for connection in list(state.connections):
-                connection.shutdown()
-            for task in list(state.tasks):
-                task.cancel()
-            await asyncio.sleep(0)
-
-        asyncio.run_coroutine_threadsafe(stop(), loop).result(10)
-        loop.call_soon_threadsafe(loop.stop)
-        thread.join(10)
-        loop.close()
-
-
-def _read_response(sock: socket.socket, timeout: float = 5.0) -> bytes:
-    """One response with a content-length, read from a raw socket."""
-    sock.settimeout(timeout)
-    data = b""
-    while b"\r\n\r\n" not in data:
-        chunk = sock.recv(65536)
-        if not chunk:
-            return data
-        data += chunk
-    head, _, rest = data.partition(b"\r\n\r\n")
-    length = 0
-    for line in head.split(b"\r\n")[1:]:
-        name, _, value = line.partition(b":")
-        if name.lower() == b"content-length":
-            length = int(value)
-    while len(rest) < length:
-        chunk = sock.recv(65536)
-        if not chunk:
-            break
-        rest += chunk
-    return head + b"\r\n\r\n" + rest
-
-
-def _read_to_close(sock: socket.socket, timeout: float = 5.0) -> bytes:
-    sock.settimeout(timeout)
-    data = b""
-    while chunk := sock.recv(65536):
-        data += chunk
-    return data
 
 
 def test_keep_alive_serves_many_requests_on_one_connection(served: Served) -> None:
@@ -355,7 +203,7 @@ def test_keep_alive_serves_many_requests_on_one_connection(served: Served) -> No
 def test_answer_with_known_length_leaves_in_one_segment(served: Served) -> None:
     with served.raw() as sock:
         sock.sendall(b"POST /echo HTTP/1.1\r\nHost: x\r\nContent-Length: 2\r\n\r\nhi")
-        answer = _read_response(sock)
+        answer = read_response(sock)
         assert answer.endswith(b"\r\n\r\nPOST /echo |hi")
         assert served.writes == [answer]  # head and body in one write: one system call
 
@@ -425,13 +273,13 @@ def test_expect_100_continue(served: Served) -> None:
         )
         assert read_until(sock, b"\r\n\r\n", 5) == b"HTTP/1.1 100 Continue\r\n\r\n"
         sock.sendall(b"body")
-        assert _read_response(sock).endswith(b"POST /echo |body")
+        assert read_response(sock).endswith(b"POST /echo |body")
 
 
 def test_http_1_0_connection_is_closed_after_the_answer(served: Served) -> None:
     with served.raw() as sock:
         sock.sendall(b"GET /echo HTTP/1.0\r\n\r\n")
-        answer = _read_response(sock)
+        answer = read_response(sock)
         assert b"connection: close" in answer.lower()
         assert closed_by_peer(sock, 5)
 
@@ -439,7 +287,7 @@ def test_http_1_0_connection_is_closed_after_the_answer(served: Served) -> None:
 def test_malformed_request_gets_400_and_close(served: Served) -> None:
     with served.raw() as sock:
         sock.sendall(b"GET /echo HTTP/1.1\r\nBad Header Without Colon\r\n\r\n")
-        answer = _read_response(sock)
+        answer = read_response(sock)
         assert answer.startswith(b"HTTP/1.1 400 Bad Request\r\n")
         assert answer.endswith(b"Invalid HTTP request received.")
         assert closed_by_peer(sock, 5)
@@ -448,7 +296,7 @@ def test_malformed_request_gets_400_and_close(served: Served) -> None:
 def test_idle_connection_is_closed_after_the_keep_alive_timeout(served: Served) -> None:
     with served.raw() as sock:
         sock.sendall(b"GET /echo HTTP/1.1\r\nHost: x\r\n\r\n")
-        assert _read_response(sock).endswith(b"GET /echo |")
+        assert read_response(sock).endswith(b"GET /echo |")
         assert not closed_by_peer(sock, IDLE_SECONDS / 5)  # still open right after
         assert closed_by_peer(sock, IDLE_SECONDS * 6)
 
@@ -458,10 +306,10 @@ def test_an_answer_longer_than_the_idle_period_keeps_its_connection(served: Serv
     # no bound then, and the bound must start again when the answer ends.
     with served.raw() as sock:
         sock.sendall(b"GET /longer-than-idle HTTP/1.1\r\nHost: x\r\n\r\n")
-        assert _read_response(sock, timeout=IDLE_SECONDS * 5).endswith(b"GET /longer-than-idle |")
+        assert read_response(sock, timeout=IDLE_SECONDS * 5).endswith(b"GET /longer-than-idle |")
         assert not closed_by_peer(sock, IDLE_SECONDS / 2)
         sock.sendall(b"GET /echo HTTP/1.1\r\nHost: x\r\n\r\n")
-        assert _read_response(sock).endswith(b"GET /echo |")
+        assert read_response(sock).endswith(b"GET /echo |")
         assert closed_by_peer(sock, IDLE_SECONDS * 6)
 
 
@@ -471,7 +319,7 @@ def test_requests_closer_than_the_idle_period_keep_the_connection(served: Served
     with served.raw() as sock:
         for _ in range(9):
             sock.sendall(b"GET /echo HTTP/1.1\r\nHost: x\r\n\r\n")
-            assert _read_response(sock).endswith(b"GET /echo |")
+            assert read_response(sock).endswith(b"GET /echo |")
             time.sleep(IDLE_SECONDS / 3)
         assert closed_by_peer(sock, IDLE_SECONDS * 6)
 
@@ -497,7 +345,7 @@ def test_application_error_mid_answer_closes_the_connection(served: Served) -> N
 def test_forged_header_value_is_refused(served: Served) -> None:
     with served.raw() as sock:
         sock.sendall(b"GET /forged-header HTTP/1.1\r\nHost: x\r\n\r\n")
-        answer = _read_response(sock)
+        answer = read_response(sock)
         assert answer.startswith(b"HTTP/1.1 500 ")
         assert b"stolen" not in answer
 
@@ -505,7 +353,7 @@ def test_forged_header_value_is_refused(served: Served) -> None:
 def test_body_shorter_than_its_length_closes_the_connection(served: Served) -> None:
     with served.raw() as sock:
         sock.sendall(b"GET /short HTTP/1.1\r\nHost: x\r\n\r\n")
-        data = _read_to_close(sock)
+        data = read_to_close(sock)
         # Never a complete 10-byte body: the client cannot mistake it for a whole answer.
         assert len(data.partition(b"\r\n\r\n")[2]) < 10
 
@@ -524,7 +372,7 @@ def test_slow_reader_holds_the_writer_back(served: Served) -> None:
         sock.setsockopt(socket.SOL_SOCKET, socket.SO_RCVBUF, 65536)
         sock.sendall(b"GET /big HTTP/1.1\r\nHost: x\r\n\r\n")
         time.sleep(0.5)  # not reading: the server's buffers fill and send() must wait
-        answer = _read_response(sock, timeout=20)
+        answer = read_response(sock, timeout=20)
         assert len(answer.partition(b"\r\n\r\n")[2]) == BIG
         assert max(served.recorder.send_waits) >= 0.2
 
@@ -562,7 +410,7 @@ def test_every_receive_waiting_sees_the_disconnect(served: Served) -> None:
 def test_base_exception_from_the_application_still_answers(served: Served) -> None:
     with served.raw() as sock:
         sock.sendall(b"GET /fatal HTTP/1.1\r\nHost: x\r\n\r\n")
-        answer = _read_response(sock)
+        answer = read_response(sock)
         assert answer.startswith(b"HTTP/1.1 500 ")
         assert closed_by_peer(sock, 5)
 
@@ -594,7 +442,7 @@ def test_connection_without_a_whole_request_is_closed_when_idle(served: Served) 
 def test_http_1_0_stream_ends_with_the_connection(served: Served) -> None:
     with served.raw() as sock:
         sock.sendall(b"GET /stream HTTP/1.0\r\n\r\n")
-        data = _read_to_close(sock)
+        data = read_to_close(sock)
         head, _, body = data.partition(b"\r\n\r\n")
         assert b"transfer-encoding" not in head.lower()  # HTTP/1.0 has no chunked encoding
         assert b"connection: close" in head.lower()
@@ -607,7 +455,7 @@ def test_header_with_a_control_character_or_a_signed_length_is_refused(
 ) -> None:
     with served.raw() as sock:
         sock.sendall(b"GET %s HTTP/1.1\r\nHost: x\r\n\r\n" % path.encode())
-        answer = _read_response(sock)
+        answer = read_response(sock)
         assert answer.startswith(b"HTTP/1.1 500 ")
         assert b"x-bad" not in answer and b"+2" not in answer
 
@@ -623,14 +471,14 @@ def test_pipelining_past_the_cap_is_cut_off(served: Served) -> None:
     with served.raw() as sock:
         count = MAX_PIPELINED * 4
         sock.sendall(b"GET /slow HTTP/1.1\r\nHost: x\r\n\r\n" * count)
-        data = _read_to_close(sock)  # closed, not answered to the end
+        data = read_to_close(sock)  # closed, not answered to the end
         assert data.count(b"HTTP/1.1 200") < count
 
 
 def test_system_exit_in_a_request_does_not_end_the_server(served: Served) -> None:
     with served.raw() as sock:
         sock.sendall(b"GET /exit HTTP/1.1\r\nHost: x\r\n\r\n")
-        assert _read_response(sock).startswith(b"HTTP/1.1 500 ")
+        assert read_response(sock).startswith(b"HTTP/1.1 500 ")
     with served.connect() as connection:
         connection.request("GET", "/echo")
         assert connection.getresponse().read() == b"GET /echo |"
@@ -641,7 +489,7 @@ def test_answer_before_an_announced_body_closes_the_connection(served: Served) -
         sock.sendall(
             b"POST /early HTTP/1.1\r\nHost: x\r\nContent-Length: 5\r\nExpect: 100-continue\r\n\r\n"
         )
-        answer = _read_response(sock)
+        answer = read_response(sock)
         assert answer.endswith(b"\r\n\r\nearly")
         assert b"connection: close" in answer.lower()  # the body may or may not follow
         assert closed_by_peer(sock, 5)
@@ -650,7 +498,7 @@ def test_answer_before_an_announced_body_closes_the_connection(served: Served) -
 def test_failure_after_a_held_back_start_still_answers_500(served: Served) -> None:
     with served.raw() as sock:
         sock.sendall(b"GET /start-then-fail HTTP/1.1\r\nHost: x\r\n\r\n")
-        answer = _read_response(sock)
+        answer = read_response(sock)
         assert answer.startswith(b"HTTP/1.1 500 ")
         assert answer.endswith(b"Internal Server Error")
 
@@ -670,7 +518,7 @@ def test_oversized_request_head_is_refused(served: Served) -> None:
     with served.raw() as sock:
         big = b"X-Filler: " + b"f" * (MAX_HEAD_BYTES + 1) + b"\r\n"
         sock.sendall(b"GET /echo HTTP/1.1\r\nHost: x\r\n" + big + b"\r\n")
-        assert _read_response(sock).startswith(b"HTTP/1.1 431 ")
+        assert read_response(sock).startswith(b"HTTP/1.1 431 ")
         assert closed_by_peer(sock, 5)
 
 
