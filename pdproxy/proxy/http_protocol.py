@@ -181,26 +181,31 @@ class HttpProtocol(asyncio.Protocol):
             return
         if self._in_head:
             room = MAX_HEAD_BYTES - self._head_received
-            if len(data) >= room:
-                # Fed only up to the bound: the head ends within it or is refused, and the
-                # parser never holds more of a partial line than that.
-                if not self._feed(data[:room]):
-                    return
-                if self._in_head:
-                    self._refuse(431, b"Request header fields too large.")
-                    return
-                data = data[room:]
-            else:
+            if len(data) < room:
                 self._head_received += len(data)
-        else:
-            self._framing_bytes += len(data)
-            if self._discard_left is not None:
-                self._discard_left -= len(data)
-                if self._discard_left < 0:
-                    self._close()  # an answered request's body that does not end
+                if not self._feed(data):
                     return
+                self._after_read()
+                return
+            # Fed only up to the bound: the head ends within it or is refused, and the parser
+            # never holds more of a partial line than that.
+            if not self._feed(data[:room]):
+                return
+            if self._in_head:
+                self._refuse(431, b"Request header fields too large.")
+                return
+            data = data[room:]
+        self._framing_bytes += len(data)
+        if self._discard_left is not None:
+            self._discard_left -= len(data)
+            if self._discard_left < 0:
+                self._close()  # an answered request's body that does not end
+                return
         if not self._feed(data):
             return
+        self._after_read()
+
+    def _after_read(self) -> None:
         if self._framing_bytes > MAX_FRAMING_BYTES and not self._in_head:
             self._refuse(400, b"Invalid HTTP request received.")
             return
@@ -299,9 +304,6 @@ class HttpProtocol(asyncio.Protocol):
 
     def on_headers_complete(self) -> None:
         self._head_began = None
-        self._in_head = False
-        self._head_received = 0
-        self._framing_bytes = 0
         parser = self._parser
         version = parser.get_http_version()
         # Any: httptools' stub types `query` as bytes, and it is None when there is none.
@@ -328,6 +330,10 @@ class HttpProtocol(asyncio.Protocol):
         old_client = version == "1.0"
         keep_alive = not old_client and parser.should_keep_alive()
         # HTTP/1.0 knows neither 100 Continue nor chunked bodies (RFC 9110 10.1.1, 9112 6.1).
+        # The head is whole and valid (an invalid target raised above, and is a head's fault).
+        self._in_head = False
+        self._head_received = 0
+        self._framing_bytes = 0
         cycle = _Cycle(self, scope, keep_alive, self._expect_continue and not old_client)
         scope["extensions"] = {DISCONNECT_HOOK: cycle.on_disconnect}
         self._parsing = cycle
@@ -498,11 +504,22 @@ class HttpProtocol(asyncio.Protocol):
     def _refuse(self, status: int, message: bytes) -> None:
         """Answer `status` with `message` and close: nothing more is read from a client whose
         request could not be parsed or is out of bounds."""
-        if self.transport is None or self.transport.is_closing():
+        transport = self.transport
+        if transport is None or transport.is_closing():
             return
-        if self._cycle is not None and not self._cycle.complete:
+        cycle = self._cycle
+        if not self._in_head:
+            # The body of the request being parsed is at fault: answered only if that request
+            # is the one served now and nothing was answered to it yet; its application then
+            # sees the client gone, and cannot answer too.
+            parsing = self._parsing
+            if parsing is None or parsing is not cycle or parsing.started:
+                transport.close()
+                return
+            parsing.client_left()
+        elif cycle is not None and not cycle.complete:
             # An answer is being written on this connection: it cannot be interleaved.
-            self.transport.close()
+            transport.close()
             return
         head = [self.status_line(status)]
         head.extend(b"%s: %s\r\n" % pair for pair in self.default_headers)
@@ -510,8 +527,8 @@ class HttpProtocol(asyncio.Protocol):
             b"content-type: text/plain; charset=utf-8\r\ncontent-length: %d\r\n"
             b"connection: close\r\n\r\n" % len(message)
         )
-        self.transport.write(b"".join(head) + message)
-        self.transport.close()
+        transport.write(b"".join(head) + message)
+        transport.close()
 
 
 class _HeadTooLarge(ValueError):

@@ -8,6 +8,7 @@ test_http_protocol.py.
 
 from __future__ import annotations
 
+import select
 import socket
 import threading
 import time
@@ -46,10 +47,23 @@ def _flood_cut_off(sock: socket.socket, block: bytes, seconds: float = 4.0) -> b
     return False
 
 
-def _cut_off(sock: socket.socket, data: bytes) -> bool:
-    """Whether the peer ends the connection while or after `data` is sent, answering nothing
-    more (the kernel's buffers may take all of it before the peer closes)."""
-    return not _sent_whole(sock, data, 5) or closed_by_peer(sock, 5)
+def _refused_400(sock: socket.socket, piece: bytes, most: int) -> bool:
+    """Whether the peer answers 400 and closes while `piece` is sent again and again (at most
+    `most` bytes): sending stops once the answer is there, and what was read before a reset
+    still counts."""
+    sent = 0
+    while sent < most and not select.select([sock], [], [], 0)[0]:
+        if not _sent_whole(sock, piece, 5):
+            break
+        sent += len(piece)
+    sock.settimeout(5)
+    answer = b""
+    try:
+        while chunk := sock.recv(65536):
+            answer += chunk
+    except ConnectionResetError:
+        pass
+    return answer.startswith(b"HTTP/1.1 400 ")
 
 
 def _echo_latency(served: Served) -> float:
@@ -208,7 +222,7 @@ def test_short_rest_of_an_early_answered_body_keeps_the_connection(served: Serve
 def test_endless_chunk_extension_is_refused(served: Served) -> None:
     with served.raw() as sock:
         sock.sendall(b"POST /echo HTTP/1.1\r\nHost: x\r\nTransfer-Encoding: chunked\r\n\r\n5;x=")
-        assert _cut_off(sock, b"y" * (MAX_FRAMING_BYTES * 8))
+        assert _refused_400(sock, b"y" * 4096, MAX_FRAMING_BYTES * 4)
 
 
 # -- trailers -----------------------------------------------------------------------------
@@ -231,4 +245,4 @@ def test_endless_trailer_field_is_refused(served: Served) -> None:
             b"POST /headers HTTP/1.1\r\nHost: x\r\nTransfer-Encoding: chunked\r\n\r\n"
             b"3\r\nabc\r\n0\r\nX-Trailer: "
         )
-        assert _cut_off(sock, b"y" * (MAX_FRAMING_BYTES * 8))
+        assert _refused_400(sock, b"y" * 4096, MAX_FRAMING_BYTES * 4)
