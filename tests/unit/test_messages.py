@@ -421,6 +421,7 @@ AUTH_REASONS = {
     Reason.STALE,
     Reason.REPLAYED,
     Reason.FORBIDDEN_ADDRESS,
+    Reason.TOO_LARGE,
 }
 
 
