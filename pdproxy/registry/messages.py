@@ -56,6 +56,9 @@ class Reason(StrEnum):
     REPLAYED = "replayed"
     FORBIDDEN_ADDRESS = "forbidden_address"
     TOO_LARGE = "too_large"  # with a secret: more bytes or fields than its kind may have unsigned
+    # The table's protection of signed instances (with a secret).
+    SIGNED_INSTANCE = "signed_instance"  # an unsigned message for a signed instance
+    UNSIGNED_CAPACITY = "unsigned_capacity"  # the unsigned (v0) instances are at their own cap
     # KV transfer statistics (the "stats" op).
     BAD_STATS = "bad_stats"  # rank, ranks or the transfers list
     BAD_TRANSFER = "bad_transfer"  # one entry of the transfers list

@@ -203,10 +203,10 @@ class RegistryServer:
             message = admitted.message
             now = self._clock()
             if isinstance(message, Announcement):
-                change, instance = self._table.announce(message, now)
+                change, instance = self._table.announce(message, now, signed=admitted.signed)
                 self._on_announced(change, instance)
             elif isinstance(message, Leave):
-                gone = self._table.remove(message.http_address)
+                gone = self._table.remove(message.http_address, signed=admitted.signed)
                 if gone is not None:
                     log.info("registry: %s %s left", _role_name(gone), gone.name)
                     self._on_departed(gone)
@@ -386,7 +386,11 @@ def _auth_summary(settings: Settings) -> str:
     if settings.registry_secret is None:
         parts = ["unauthenticated"]
     else:
-        v0 = "unsigned v0 allowed" if settings.registry_allow_unsigned_v0 else "v0 refused"
+        v0 = (
+            f"unsigned v0 allowed (at most {settings.unsigned_instance_cap} instances)"
+            if settings.registry_allow_unsigned_v0
+            else "v0 refused"
+        )
         parts = [f"v1 must be signed, {v0}"]
     if settings.registry_v0_cidrs:
         parts.append("v0 from " + " ".join(settings.registry_v0_cidrs))
