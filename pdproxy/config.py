@@ -115,6 +115,13 @@ class Settings(BaseModel):
         description="With registry_secret set, still accept unsigned v0 announcements (stock "
         "vLLM cannot sign); without a secret everything is accepted anyway.",
     )
+    registry_max_unsigned_instances: int = Field(
+        0,
+        ge=0,
+        description="With registry_secret set: cap on instances registered by unsigned v0 "
+        "announcements, apart from max_instances, so they never take signed instances' room; "
+        "0: a quarter of max_instances (at least 1).",
+    )
     registry_v0_cidrs: list[str] = Field(
         default_factory=list,
         description="CIDR (repeatable, or comma-separated) a v0 announcement must come from "
@@ -351,6 +358,14 @@ class Settings(BaseModel):
         description="text: human-readable lines; json: one JSON object per line, and one "
         "line per completion request (ids, chosen pair, leg timings, outcome).",
     )
+
+    @property
+    def unsigned_instance_cap(self) -> int | None:
+        """How many instances unsigned v0 announcements may hold, apart from max_instances;
+        None without a secret (nothing is signed then: one cap for all, as ever)."""
+        if self.registry_secret is None:
+            return None
+        return self.registry_max_unsigned_instances or max(1, self.max_instances // 4)
 
     @field_validator(
         "registry_v0_cidrs",

@@ -55,6 +55,10 @@ class Reason(StrEnum):
     STALE = "stale"
     REPLAYED = "replayed"
     FORBIDDEN_ADDRESS = "forbidden_address"
+    TOO_LARGE = "too_large"  # with a secret: more bytes or fields than its kind may have unsigned
+    # The table's protection of signed instances (with a secret).
+    SIGNED_INSTANCE = "signed_instance"  # an unsigned message for a signed instance
+    UNSIGNED_CAPACITY = "unsigned_capacity"  # the unsigned (v0) instances are at their own cap
     # KV transfer statistics (the "stats" op).
     BAD_STATS = "bad_stats"  # rank, ranks or the transfers list
     BAD_TRANSFER = "bad_transfer"  # one entry of the transfers list
@@ -185,9 +189,7 @@ def unpack_frame(frame: bytes) -> object:
 def parse_message(payload: object) -> Message:
     if not isinstance(payload, dict):
         raise Rejected(Reason.NOT_A_MAP, f"expected a map, got {type(payload).__name__}")
-    version = payload.get("v", 0)
-    if not _is_int(version) or version not in (0, 1):
-        raise Rejected(Reason.UNSUPPORTED_VERSION, f"unsupported v={_short(version)}")
+    version = message_version(payload.get("v", 0))
     if version == 0:
         return _announcement(payload, version=0)
     op = payload.get("op", "announce")
@@ -198,6 +200,14 @@ def parse_message(payload: object) -> Message:
     if op == "stats":
         return _stats(payload)
     raise Rejected(Reason.UNKNOWN_OP, f"unknown op {_short(op)}")
+
+
+def message_version(value: object) -> int:
+    """0 or 1, from the "v" field's value (0 when there is none), or Rejected."""
+    if not _is_int(value) or value not in (0, 1):
+        raise Rejected(Reason.UNSUPPORTED_VERSION, f"unsupported v={_short(value)}")
+    assert isinstance(value, int)
+    return value
 
 
 def _role(payload: dict[Any, Any]) -> Role:

@@ -1,5 +1,6 @@
 """The registry table as a proxy starts it: empty but for the instances configured statically
-(`--prefill`/`--decode`), each one known to the metrics."""
+(`--prefill`/`--decode`), each one known to the metrics; with a registry secret, unsigned
+instances have their own cap (Settings.unsigned_instance_cap)."""
 
 from __future__ import annotations
 
@@ -21,7 +22,9 @@ def static_instances(settings: Settings) -> list[Instance]:
 
 
 def seeded_table(settings: Settings, metrics: Metrics, clock: Callable[[], float]) -> RegistryTable:
-    table = RegistryTable(settings.ttl, settings.max_instances)
+    table = RegistryTable(
+        settings.ttl, settings.max_instances, max_unsigned=settings.unsigned_instance_cap
+    )
     for instance in static_instances(settings):
         table.add_static(instance, clock())
         metrics.instance_joined(instance.name)

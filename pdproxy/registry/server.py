@@ -28,16 +28,16 @@ from pdproxy.registry.messages import (
     Rejected,
     Role,
     Stats,
-    parse_message,
-    unpack_frame,
 )
 from pdproxy.registry.table import Change, Instance, RegistryTable, Source
 
 log = logging.getLogger("pdproxy.registry")
 
-# How many messages to handle back to back before yielding to the HTTP side: a flood of
-# announcements must not starve request handling (pyzmq returns ready frames without yielding).
-_BATCH = 64
+# How much registry work to do back to back before yielding to the HTTP side: a flood of
+# frames must not starve request handling (pyzmq returns ready frames without yielding). Bounded
+# by time and bytes, not by a count of messages: one frame may cost far more than another.
+TURN_SECONDS = 0.002
+TURN_BYTES = 256 * 1024
 _MAX_LOGGED_SENDERS = 1024
 _QUEUED_MESSAGES_PER_PEER = 256
 # A registry message is [identity, payload]; anything past that is counted, never kept.
@@ -82,6 +82,33 @@ class RejectionLog:
         if self.suppressed:
             log.warning("registry: %d more rejections were not logged", self.suppressed)
         self._window_start, self._logged, self.suppressed = now, 0, 0
+
+
+class TurnBudget:
+    """How much work one turn of the event loop may take: `spend` says when it is used up
+    (then yield, and `restart`). Time is counted from the restart, so a wait for a frame
+    counts too: at worst one yield more than needed."""
+
+    def __init__(
+        self,
+        seconds: float = TURN_SECONDS,
+        max_bytes: int = TURN_BYTES,
+        clock: Callable[[], float] = time.perf_counter,
+    ) -> None:
+        self._seconds = seconds
+        self._max_bytes = max_bytes
+        self._clock = clock
+        self._started = clock()
+        self._bytes = 0
+
+    def restart(self) -> None:
+        self._started = self._clock()
+        self._bytes = 0
+
+    def spend(self, size: int) -> bool:
+        """Count `size` bytes handled; True once the turn's time or bytes are used up."""
+        self._bytes += size
+        return self._bytes >= self._max_bytes or self._clock() - self._started >= self._seconds
 
 
 class RegistryServer:
@@ -154,16 +181,16 @@ class RegistryServer:
 
     async def _receive_loop(self, sock: zmq.asyncio.Socket) -> None:
         plain: zmq.Socket[bytes] = zmq.Socket.shadow(sock.underlying)
-        handled = 0
+        budget = TurnBudget()
         while True:
             frames, peer = await _receive_message(sock, plain)
             try:
                 self.handle(frames, peer)
             except Exception:  # a bug here must not kill the registry
                 log.exception("registry: unexpected error handling a frame")
-            handled += 1
-            if handled % _BATCH == 0:
+            if budget.spend(sum(len(frame) for frame in frames)):
                 await asyncio.sleep(0)
+                budget.restart()
 
     def handle(self, frames: list[bytes], peer: str | None = None) -> None:
         """Process one ROUTER message: [sender identity, payload]; `peer` is the IP address
@@ -172,16 +199,14 @@ class RegistryServer:
         try:
             if len(frames) != 2:
                 raise Rejected(Reason.FRAMING, "expected exactly one payload frame")
-            payload = unpack_frame(frames[1])
-            message = parse_message(payload)
-            assert isinstance(payload, dict)  # parse_message refuses anything else
-            self._gate.check(payload, message, self._wall_clock(), peer)
+            admitted = self._gate.admit(frames[1], self._wall_clock(), peer)
+            message = admitted.message
             now = self._clock()
             if isinstance(message, Announcement):
-                change, instance = self._table.announce(message, now)
+                change, instance = self._table.announce(message, now, signed=admitted.signed)
                 self._on_announced(change, instance)
             elif isinstance(message, Leave):
-                gone = self._table.remove(message.http_address)
+                gone = self._table.remove(message.http_address, signed=admitted.signed)
                 if gone is not None:
                     log.info("registry: %s %s left", _role_name(gone), gone.name)
                     self._on_departed(gone)
@@ -361,7 +386,11 @@ def _auth_summary(settings: Settings) -> str:
     if settings.registry_secret is None:
         parts = ["unauthenticated"]
     else:
-        v0 = "unsigned v0 allowed" if settings.registry_allow_unsigned_v0 else "v0 refused"
+        v0 = (
+            f"unsigned v0 allowed (at most {settings.unsigned_instance_cap} instances)"
+            if settings.registry_allow_unsigned_v0
+            else "v0 refused"
+        )
         parts = [f"v1 must be signed, {v0}"]
     if settings.registry_v0_cidrs:
         parts.append("v0 from " + " ".join(settings.registry_v0_cidrs))

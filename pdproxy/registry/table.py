@@ -3,6 +3,14 @@
 An instance is keyed by its HTTP address (as vLLM's example proxy does). Heartbeats that change
 nothing only move `last_seen`, so the immutable Snapshot the planner reads is rebuilt only when
 membership or announced content changes.
+
+With a registry secret, the caller says which announcements were signed. An instance a signed
+message registered is then the signer's: an unsigned message may neither change it nor remove
+it (SIGNED_INSTANCE), nor keep it alive; an unsigned v0 ping that agrees with it (stock vLLM
+pinging beside its signing sidecar) is accepted and changes nothing. Instances registered
+unsigned have a cap of their own (`max_unsigned`, UNSIGNED_CAPACITY) and do not count against
+`max_instances`, so a flood of unsigned pings never takes the room of signed instances. Without
+a secret nothing is signed and one cap holds for all.
 """
 
 from __future__ import annotations
@@ -65,6 +73,7 @@ class Entry:
     first_seen: float
     last_seen: float
     v1_seen: float | None = None  # the last v1 announcement (v0 pings only refresh it)
+    signed: bool = False  # registered by a signed message: unsigned ones may not change it
 
 
 @dataclass(frozen=True, slots=True)
@@ -98,14 +107,24 @@ LOAD_REFRESH_SECONDS = 0.5
 
 class RegistryTable:
     def __init__(
-        self, ttl: float, max_instances: int, load_refresh: float = LOAD_REFRESH_SECONDS
+        self,
+        ttl: float,
+        max_instances: int,
+        load_refresh: float = LOAD_REFRESH_SECONDS,
+        max_unsigned: int | None = None,
     ) -> None:
+        """`max_unsigned`: the separate cap of instances registered unsigned (with a secret);
+        None: no separate cap, every instance counts against `max_instances`."""
         if ttl <= 0:
             raise ValueError("ttl must be positive")
         if max_instances < 1:
             raise ValueError("max_instances must be at least 1")
+        if max_unsigned is not None and max_unsigned < 1:
+            raise ValueError("max_unsigned must be at least 1")
         self._ttl = ttl
         self._max = max_instances
+        self._max_unsigned = max_unsigned
+        self._unsigned = 0  # entries counted against max_unsigned
         self._load_refresh = load_refresh
         self._entries: dict[Address, Entry] = {}
         self._static: set[Address] = set()
@@ -147,6 +166,7 @@ class RegistryTable:
         )
         self._entries, self._by_zmq = {}, {}
         self._counts = dict.fromkeys(Role, 0)
+        self._unsigned = 0
         self._static = {k for k, e in fresh.items() if e.instance.source is Source.STATIC}
         for entry in fresh.values():
             self._put(entry)
@@ -160,36 +180,46 @@ class RegistryTable:
     def add_static(self, instance: Instance, now: float) -> None:
         if instance.source is not Source.STATIC:
             instance = replace(instance, source=Source.STATIC)
-        if instance.http_address not in self._entries and len(self._entries) >= self._max:
-            raise Rejected(Reason.CAPACITY, f"registry is full ({self._max} instances)")
+        new = Entry(instance, now, now)
+        self._make_room(new, self._entries.get(instance.http_address))
         self._static.add(instance.http_address)
-        self._put(Entry(instance, now, now))
+        self._put(new)
         self._changed()
 
-    def announce(self, announcement: Announcement, now: float) -> tuple[Change, Instance]:
-        """Register or refresh an instance. Raises Rejected when the table is full."""
+    def announce(
+        self, announcement: Announcement, now: float, *, signed: bool = False
+    ) -> tuple[Change, Instance]:
+        """Register or refresh an instance; `signed`: the announcement's signature was
+        verified. Raises Rejected when the table (or the unsigned instances' part) is full,
+        and when an unsigned announcement would change a signed instance."""
         key = announcement.http_address
         incoming = instance_from(announcement)
         v1_seen = now if announcement.version == 1 else None
         entry = self._entries.get(key)
         if entry is None:
-            if len(self._entries) >= self._max:
-                raise Rejected(Reason.CAPACITY, f"registry is full ({self._max} instances)")
-            self._put(Entry(incoming, now, now, v1_seen))
+            new = Entry(incoming, now, now, v1_seen, signed)
+            self._make_room(new, None)
+            self._put(new)
             self._changed()
             return Change.REGISTERED, incoming
         if key in self._static:
             incoming = self._merge_static(entry.instance, incoming)
+        elif entry.signed and not signed:
+            self._refuse_unsigned_change(entry.instance, incoming)
+            return Change.REFRESHED, entry.instance  # an echo: not even last_seen moves
         elif self._v0_echo(entry, incoming, now):
             # Stock vLLM's v0 ping for an instance its sidecar announces in v1: a heartbeat.
             # Taking it as the whole truth would drop model, geometry and load every 3 s.
             incoming = entry.instance
         if v1_seen is None:
             v1_seen = entry.v1_seen
-        if incoming == entry.instance:
+        signed = signed or entry.signed
+        if incoming == entry.instance and signed == entry.signed:
             self._entries[key] = replace(entry, last_seen=now, v1_seen=v1_seen)
             return Change.REFRESHED, entry.instance
-        self._put(Entry(incoming, entry.first_seen, now, v1_seen))
+        new = Entry(incoming, entry.first_seen, now, v1_seen, signed)
+        self._make_room(new, entry)
+        self._put(new)
         if replace(incoming, load=entry.instance.load) == entry.instance:
             self._load_stale = True
             return Change.LOAD, incoming
@@ -209,6 +239,39 @@ class RegistryTable:
         )
 
     @staticmethod
+    def _refuse_unsigned_change(signed: Instance, incoming: Instance) -> None:
+        """Unless `incoming` (unsigned) only echoes the signed instance's role and KV address."""
+        if (incoming.role, incoming.zmq_address) != (signed.role, signed.zmq_address):
+            raise Rejected(
+                Reason.SIGNED_INSTANCE,
+                f"{signed.name} was registered by signed messages (as {signed.role.value} with "
+                f"zmq {signed.zmq_address}): an unsigned one cannot change it",
+            )
+
+    def _counts_as_unsigned(self, entry: Entry) -> bool:
+        """Whether `entry` counts against max_unsigned rather than max_instances."""
+        return (
+            self._max_unsigned is not None
+            and not entry.signed
+            and entry.instance.source is not Source.STATIC
+        )
+
+    def _make_room(self, new: Entry, old: Entry | None) -> None:
+        """Raise Rejected unless `new` fits in its part of the table (replacing `old`)."""
+        unsigned = self._counts_as_unsigned(new)
+        if old is not None and self._counts_as_unsigned(old) == unsigned:
+            return  # takes its predecessor's place
+        if unsigned:
+            assert self._max_unsigned is not None
+            if self._unsigned >= self._max_unsigned:
+                raise Rejected(
+                    Reason.UNSIGNED_CAPACITY,
+                    f"unsigned instances are at their cap ({self._max_unsigned})",
+                )
+        elif len(self._entries) - self._unsigned >= self._max:
+            raise Rejected(Reason.CAPACITY, f"registry is full ({self._max} instances)")
+
+    @staticmethod
     def _merge_static(static: Instance, incoming: Instance) -> Instance:
         """Static instances are the operator's word: an announcement may add what the operator
         left out (model, geometry, load) but may not move or rename them."""
@@ -223,13 +286,22 @@ class RegistryTable:
             )
         return replace(incoming, source=Source.STATIC, model=static.model or incoming.model)
 
-    def remove(self, http_address: Address, *, by_operator: bool = False) -> Instance | None:
-        """A v1 `leave` (static instances stay: only the operator removes them), or the
-        operator's own removal."""
+    def remove(
+        self, http_address: Address, *, by_operator: bool = False, signed: bool = False
+    ) -> Instance | None:
+        """A v1 `leave` (static instances stay: only the operator removes them; a signed
+        instance only a signed leave removes), or the operator's own removal."""
         if http_address in self._static:
             if not by_operator:
                 return None
             self._static.discard(http_address)
+        known = self._entries.get(http_address)
+        if known is not None and known.signed and not (signed or by_operator):
+            raise Rejected(
+                Reason.SIGNED_INSTANCE,
+                f"{known.instance.name} was registered by signed messages: an unsigned leave "
+                "cannot remove it",
+            )
         entry = self._pop(http_address)
         if entry is None:
             return None
@@ -293,10 +365,12 @@ class RegistryTable:
         old = self._entries.get(key)
         if old is not None:
             self._counts[old.instance.role] -= 1
+            self._unsigned -= self._counts_as_unsigned(old)
             self._unindex(old)
         self._entries[key] = entry
         self._revision += 1
         self._counts[entry.instance.role] += 1
+        self._unsigned += self._counts_as_unsigned(entry)
         self._by_zmq.setdefault(entry.instance.zmq_address, set()).add(key)
 
     def _pop(self, key: Address) -> Entry | None:
@@ -304,6 +378,7 @@ class RegistryTable:
         if entry is not None:
             self._revision += 1
             self._counts[entry.instance.role] -= 1
+            self._unsigned -= self._counts_as_unsigned(entry)
             self._unindex(entry)
         return entry
 

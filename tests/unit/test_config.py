@@ -70,6 +70,7 @@ SAMPLES: dict[str, tuple[str, Any]] = {
     "registry_max_message_bytes": ("1024", 1024),
     "registry_secret": ("0123456789abcdef-test", "0123456789abcdef-test"),
     "registry_allow_unsigned_v0": ("true", True),
+    "registry_max_unsigned_instances": ("3", 3),
     "registry_v0_cidrs": ("10.1.0.0/16", ["10.1.0.0/16"]),
     "registry_address_cidrs": ("10.0.0.0/8", ["10.0.0.0/8"]),
     "registry_max_skew_seconds": ("12.5", 12.5),
@@ -181,6 +182,15 @@ def test_concurrent_decode_connectors_take_lists_and_none_and_refuse_nixl() -> N
         load(["--concurrent-decode-connectors", "nixl"])
     with pytest.raises(ConfigError, match="concurrent_decode_connectors"):
         load(["--concurrent-decode-connectors", "mooncake"])
+
+
+def test_the_unsigned_instance_cap_exists_only_with_a_secret() -> None:
+    secret = "0123456789abcdef-test"
+    assert Settings().unsigned_instance_cap is None  # nothing is signed: one cap for all
+    assert Settings(registry_secret=secret).unsigned_instance_cap == 1024  # 4096 // 4
+    assert Settings(registry_secret=secret, max_instances=3).unsigned_instance_cap == 1
+    configured = Settings(registry_secret=secret, registry_max_unsigned_instances=10)
+    assert configured.unsigned_instance_cap == 10
 
 
 def test_a_bare_boolean_flag_means_true() -> None:

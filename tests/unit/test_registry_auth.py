@@ -16,6 +16,7 @@ from pdproxy.registry.auth import (
     address_allowed,
     canonical,
     parse_cidrs,
+    read_head,
     sign,
     signed,
 )
@@ -226,9 +227,10 @@ V0 = {"type": "P", "http_address": "10.0.0.5:20001", "zmq_address": "10.0.0.5:21
 
 def check(gate: RegistryGate, payload: dict[str, Any], now: float = NOW) -> Reason | None:
     try:
-        gate.check(payload, parse_message(payload), now)
+        admitted = gate.admit(msgpack.packb(payload), now)
     except Rejected as exc:
         return exc.reason
+    assert admitted.message == parse_message(payload)
     return None
 
 
@@ -263,3 +265,166 @@ def test_address_cidrs_apply_to_every_announcement() -> None:
     assert check(gate, {**V0, "http_address": "169.254.169.254:80"}) is Reason.FORBIDDEN_ADDRESS
     assert check(gate, {**MESSAGE, "zmq_address": "evil.example:1"}) is Reason.FORBIDDEN_ADDRESS
     assert check(gate, {**leave_message(IDENTITY), "http_address": "8.8.8.8:1"}) is None
+
+
+# -- frames: the MAC is checked before the frame is decoded ---------------------------------
+
+
+def admit(gate: RegistryGate, frame: bytes, now: float = NOW) -> Reason | None:
+    try:
+        gate.admit(frame, now)
+    except Rejected as exc:
+        return exc.reason
+    return None
+
+
+def old_signed(message: dict[str, Any], secret: bytes = SECRET, i: int = 0) -> bytes:
+    """What workers before canonical ordering sent: fields as built, "auth" last."""
+    frame: bytes = msgpack.packb({**message, "auth": sign(message, secret, NOW, nonce(i))})
+    return frame
+
+
+def test_a_signed_frame_is_canonical_but_for_its_auth_field() -> None:
+    """So an earlier proxy, which re-encodes canonically, verifies what this signer sends."""
+    frame = msgpack.packb(signed(MESSAGE, SECRET, NOW, nonce()))
+    head = read_head(frame)
+    assert b"".join(head.unsigned_parts(frame)) == canonical(MESSAGE)
+    assert list(msgpack.unpackb(frame))[-1] == "auth"
+    Verifier(SECRET).verify(msgpack.unpackb(frame), NOW)  # the dict-level (old) check agrees
+
+
+class DecodeSpy:
+    """Records the size of everything msgpack decodes or encodes whole (not the head's walk,
+    which skips over values without building them)."""
+
+    def __init__(self, monkeypatch: pytest.MonkeyPatch) -> None:
+        self.decoded: list[int] = []
+        self.encoded: list[int] = []
+        unpackb, packb = msgpack.unpackb, msgpack.packb
+
+        def spy_unpackb(data: bytes, *args: Any, **kwargs: Any) -> Any:
+            self.decoded.append(len(data))
+            return unpackb(data, *args, **kwargs)
+
+        def spy_packb(value: Any, *args: Any, **kwargs: Any) -> Any:
+            packed = packb(value, *args, **kwargs)
+            self.encoded.append(len(packed))
+            return packed
+
+        monkeypatch.setattr(msgpack, "unpackb", spy_unpackb)
+        monkeypatch.setattr(msgpack, "packb", spy_packb)
+
+
+def big_message(items: int = 20_000) -> dict[str, Any]:
+    return {**MESSAGE, "extra": [{}] * items}  # ~20 KiB of empty maps: dear to canonicalise
+
+
+def test_a_forged_frame_is_refused_without_decoding_its_body(
+    monkeypatch: pytest.MonkeyPatch,
+) -> None:
+    gate = RegistryGate(Verifier(SECRET))
+    forged = msgpack.packb(signed(big_message(), b"not-the-registry-secret", NOW, nonce()))
+    assert len(forged) > 20_000
+    spy = DecodeSpy(monkeypatch)
+    assert admit(gate, forged) is Reason.BAD_SIGNATURE
+    # Only short keys, "v" and the "auth" value were decoded; nothing was re-encoded but the
+    # 44-byte stamp.
+    assert spy.decoded and max(spy.decoded) <= auth.MAX_AUTH_BYTES
+    assert max(spy.encoded) <= 64
+
+
+def test_a_large_signed_frame_is_decoded_once_and_never_reencoded(
+    monkeypatch: pytest.MonkeyPatch,
+) -> None:
+    gate = RegistryGate(Verifier(SECRET))
+    frame = msgpack.packb(signed(big_message(), SECRET, NOW, nonce()))
+    spy = DecodeSpy(monkeypatch)
+    admitted = gate.admit(frame, NOW)
+    assert admitted.signed and admitted.message == parse_message(MESSAGE)
+    assert [size for size in spy.decoded if size > auth.MAX_AUTH_BYTES] == [len(frame)]
+    assert max(spy.encoded) <= 64
+
+
+def test_the_auth_field_may_stand_anywhere_in_the_frame() -> None:
+    message = signed(MESSAGE, SECRET, NOW, nonce())
+    first = {"auth": message.pop("auth"), **message}
+    assert admit(RegistryGate(Verifier(SECRET)), msgpack.packb(first)) is None
+
+
+def test_frames_of_earlier_signers_verify_up_to_the_legacy_bounds() -> None:
+    gate = RegistryGate(Verifier(SECRET))
+    frame = old_signed(MESSAGE)
+    head = read_head(frame)
+    assert b"".join(head.unsigned_parts(frame)) != canonical(MESSAGE)  # not canonical order
+    assert admit(gate, frame) is None
+    assert admit(gate, frame) is Reason.REPLAYED
+    # Beyond LEGACY_ELEMENTS items, or LEGACY_FRAME_BYTES, only canonical order verifies.
+    many = {**MESSAGE, "extra": [0] * auth.LEGACY_ELEMENTS}
+    assert len(old_signed(many, i=1)) <= auth.LEGACY_FRAME_BYTES
+    assert admit(gate, old_signed(many, i=1)) is Reason.BAD_SIGNATURE
+    assert admit(gate, msgpack.packb(signed(many, SECRET, NOW, nonce(2)))) is None
+    large = {**MESSAGE, "extra": "x" * auth.LEGACY_FRAME_BYTES}
+    with pytest.raises(Rejected, match="older than the proxy"):
+        gate.admit(old_signed(large, i=3), NOW)
+    assert admit(gate, msgpack.packb(signed(large, SECRET, NOW, nonce(4)))) is None
+
+
+def test_a_signed_frame_the_decoder_refuses_keeps_its_nonce() -> None:
+    """Refused the same way each time, as when decoding came first."""
+    gate = RegistryGate(Verifier(SECRET))
+    frame = msgpack.packb(signed({**MESSAGE, "type": "X"}, SECRET, NOW, nonce()))
+    assert admit(gate, frame) is Reason.UNKNOWN_TYPE
+    assert admit(gate, frame) is Reason.UNKNOWN_TYPE
+
+
+def test_forged_auth_values_are_refused_before_any_mac() -> None:
+    gate = RegistryGate(Verifier(SECRET))
+    stale = msgpack.packb(signed(big_message(), b"not-the-registry-secret", NOW - 60, nonce()))
+    assert admit(gate, stale) is Reason.STALE
+    padded = {"ts": NOW, "nonce": nonce(), "mac": "0" * 64, "pad": "x" * auth.MAX_AUTH_BYTES}
+    with pytest.raises(Rejected, match="'auth' is over") as info:
+        gate.admit(msgpack.packb({**MESSAGE, "auth": padded}), NOW)
+    assert info.value.reason is Reason.BAD_SIGNATURE
+
+
+@pytest.mark.parametrize(
+    ("frame", "reason"),
+    [
+        (b"", Reason.NOT_MSGPACK),
+        (b"\xc1", Reason.NOT_MSGPACK),
+        (msgpack.packb([1, 2]), Reason.NOT_A_MAP),
+        (msgpack.packb(MESSAGE) + b"\x00", Reason.NOT_MSGPACK),
+        (msgpack.packb(MESSAGE)[:-3], Reason.NOT_MSGPACK),
+        (msgpack.packb({f"k{i}": i for i in range(auth.MAX_FIELDS + 1)}), Reason.TOO_LARGE),
+        # Two "auth" fields: which one a decoder keeps is not for a forger to choose.
+        (b"\x82\xa4auth\x01\xa4auth\x02", Reason.BAD_SIGNATURE),
+        (msgpack.packb({**MESSAGE, "v": "1" * 40}), Reason.UNSUPPORTED_VERSION),
+        (msgpack.packb({**MESSAGE, "v": 2}), Reason.UNSUPPORTED_VERSION),
+    ],
+)
+def test_the_head_refuses_what_it_cannot_walk(frame: bytes, reason: Reason) -> None:
+    assert admit(RegistryGate(Verifier(SECRET)), frame) is reason
+
+
+def test_the_head_finds_auth_and_version() -> None:
+    frame = msgpack.packb(signed(MESSAGE, SECRET, NOW, nonce()))
+    head = read_head(frame)
+    assert head.fields == len(MESSAGE) + 1 and head.version == 1
+    assert head.auth is not None and head.auth[2] == len(frame)  # "auth" is last
+    assert msgpack.unpackb(frame[head.auth[1] :])["nonce"] == nonce()
+    assert read_head(msgpack.packb(V0)) == auth.FrameHead(3, 1, 0, None)
+
+
+def test_with_a_secret_a_large_v0_frame_is_refused_before_it_is_decoded() -> None:
+    large = {**V0, "extra": "x" * auth.MAX_V0_FRAME_BYTES}
+    lenient = RegistryGate(Verifier(SECRET), allow_unsigned_v0=True)
+    assert admit(lenient, msgpack.packb(large)) is Reason.TOO_LARGE
+    assert admit(lenient, msgpack.packb(V0)) is None
+    assert admit(RegistryGate(), msgpack.packb(large)) is None  # no secret: as ever
+
+
+def test_admitted_says_whether_it_was_signed() -> None:
+    gate = RegistryGate(Verifier(SECRET), allow_unsigned_v0=True)
+    assert gate.admit(msgpack.packb(signed(MESSAGE, SECRET, NOW, nonce())), NOW).signed
+    assert not gate.admit(msgpack.packb(V0), NOW).signed
+    assert not RegistryGate().admit(msgpack.packb(MESSAGE), NOW).signed

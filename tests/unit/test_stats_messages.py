@@ -360,14 +360,13 @@ def test_a_signed_report_passes_the_gate_and_a_forged_one_does_not() -> None:
     key = b"stats-secret-0123456789"
     gate = RegistryGate(Verifier(key))
     message = stats_message("D", "10.0.0.8:8200", 0, 1, [TransferStat(f"{UID}-0", "h:1", 1, 1, 0)])
-    sealed = signed(message, key, 1000.0, new_nonce())
-    decoded = decode_frame(frame(sealed))
-    gate.check(sealed, decoded, 1000.0)  # accepted: no exception
+    sealed = frame(signed(message, key, 1000.0, new_nonce()))
+    assert gate.admit(sealed, 1000.0).message == decode_frame(sealed)
     with pytest.raises(Rejected) as info:
-        gate.check(message, decode_frame(frame(message)), 1000.0)
+        gate.admit(frame(message), 1000.0)
     assert info.value.reason is Reason.UNSIGNED
     forged = signed(message, key, 1000.0, new_nonce())
     forged["transfers"][0]["bytes"] = 10**9  # more bytes than were signed for
     with pytest.raises(Rejected) as info:
-        gate.check(forged, decode_frame(frame(forged)), 1000.0)
+        gate.admit(frame(forged), 1000.0)
     assert info.value.reason is Reason.BAD_SIGNATURE

@@ -122,8 +122,8 @@ def test_messages_are_signed_with_the_secret() -> None:
     stats.report(entry())
     stats.flush()
     [frame] = client.frames
-    payload = msgpack.unpackb(frame)
-    RegistryGate(Verifier(key)).check(payload, decode_frame(frame), 5000.0)  # no exception
+    admitted = RegistryGate(Verifier(key)).admit(frame, 5000.0)
+    assert admitted.signed and admitted.message == decode_frame(frame)
 
 
 def test_a_bad_rank_is_a_programming_error() -> None:

@@ -511,6 +511,117 @@ def test_capacity_applies_to_static() -> None:
 
 
 # ---------------------------------------------------------------------------------------------
+# signed instances (with a registry secret)
+
+
+def guarded(max_instances: int = 100, max_unsigned: int = 25) -> RegistryTable:
+    return RegistryTable(ttl=TTL, max_instances=max_instances, max_unsigned=max_unsigned)
+
+
+@pytest.mark.parametrize(
+    "moved",
+    [v0(1, Role.DECODE), Announcement(0, Role.PREFILL, http(1), Address("10.0.0.66", 21002))],
+    ids=["other role", "other zmq address"],
+)
+def test_an_unsigned_ping_cannot_change_a_signed_instance(moved: Announcement) -> None:
+    t = guarded()
+    _, announced = t.announce(v1(1, load=Load(running=2)), now=100.0, signed=True)
+    before, revision = t.snapshot(), t.revision
+    with pytest.raises(Rejected) as info:
+        t.announce(moved, now=101.0)
+    assert info.value.reason is Reason.SIGNED_INSTANCE
+    assert "10.0.0.1:8100" in info.value.detail and "signed" in info.value.detail
+    assert t.entries() == [Entry(announced, 100.0, 100.0, 100.0, signed=True)]
+    assert t.snapshot() is before and t.revision == revision
+
+
+def test_an_unsigned_ping_that_echoes_a_signed_instance_changes_nothing() -> None:
+    """Stock vLLM beside its signing sidecar: accepted, but it neither rewrites the instance
+    nor keeps it alive once the signed announcements stop."""
+    t = guarded()
+    _, announced = t.announce(v1(1), now=100.0, signed=True)
+    change, instance = t.announce(v0(1), now=100.0 + TTL + 0.5)
+    assert change is Change.REFRESHED and instance == announced
+    assert entry(t, http(1)).last_seen == 100.0
+    assert t.expire(now=100.0 + TTL + 1.0) == [announced]
+
+
+def test_only_a_signed_leave_or_the_operator_removes_a_signed_instance() -> None:
+    t = guarded()
+    _, announced = t.announce(v1(1), now=0.0, signed=True)
+    t.announce(v1(2), now=0.0, signed=True)
+    with pytest.raises(Rejected) as info:
+        t.remove(http(1))
+    assert info.value.reason is Reason.SIGNED_INSTANCE
+    assert t.get(http(1)) == announced
+    assert t.remove(http(1), signed=True) == announced
+    assert t.remove(http(2), by_operator=True) is not None
+    assert len(t) == 0
+
+
+def test_a_signed_announcement_takes_over_an_unsigned_instance() -> None:
+    t = guarded(max_unsigned=1)
+    t.announce(v0(1), now=0.0)
+    change, instance = t.announce(v1(1), now=1.0, signed=True)
+    assert change is Change.UPDATED and instance.source is Source.V1
+    assert entry(t, http(1)).signed
+    # Its unsigned place is free again, and it is now the signer's.
+    assert t.announce(v0(2), now=1.0)[0] is Change.REGISTERED
+    with pytest.raises(Rejected) as info:
+        t.announce(v0(1, Role.DECODE), now=2.0)
+    assert info.value.reason is Reason.SIGNED_INSTANCE
+
+
+def test_unsigned_instances_have_a_cap_of_their_own() -> None:
+    t = guarded(max_instances=3, max_unsigned=2)
+    for n in (1, 2):
+        t.announce(v0(n), now=0.0)
+    with pytest.raises(Rejected) as info:
+        t.announce(v0(3), now=0.0)
+    assert info.value.reason is Reason.UNSIGNED_CAPACITY
+    assert "(2)" in info.value.detail
+    assert t.announce(v0(1), now=1.0)[0] is Change.REFRESHED  # those in are still heard
+    # The unsigned ones take none of the signed instances' room...
+    for n in (10, 11, 12):
+        assert t.announce(v1(n), now=1.0, signed=True)[0] is Change.REGISTERED
+    with pytest.raises(Rejected) as info:
+        t.announce(v1(13), now=1.0, signed=True)
+    assert info.value.reason is Reason.CAPACITY
+    assert len(t) == 5
+    # ... and a leaving unsigned instance frees a place for another.
+    t.remove(http(2))
+    assert t.announce(v0(3), now=2.0)[0] is Change.REGISTERED
+
+
+def test_a_static_instance_counts_against_max_instances_not_the_unsigned_cap() -> None:
+    t = guarded(max_instances=1, max_unsigned=1)
+    t.announce(v0(1), now=0.0)
+    t.add_static(static(1), now=0.0)  # the operator's word over an unsigned instance
+    assert t.announce(v0(2), now=0.0)[0] is Change.REGISTERED
+    with pytest.raises(Rejected) as info:
+        t.add_static(static(3), now=0.0)
+    assert info.value.reason is Reason.CAPACITY
+
+
+def test_without_a_separate_cap_unsigned_instances_share_max_instances() -> None:
+    t = table(max_instances=2)  # no secret: nothing is signed, one cap for all
+    t.announce(v0(1), now=0.0)
+    t.announce(v0(2), now=0.0)
+    with pytest.raises(Rejected) as info:
+        t.announce(v1(3), now=0.0)
+    assert info.value.reason is Reason.CAPACITY
+
+
+def test_a_copy_keeps_which_instances_are_signed() -> None:
+    t = guarded()
+    t.announce(v1(1), now=0.0, signed=True)
+    t.announce(v0(2), now=0.0)
+    copy = table()
+    copy.adopt(t.entries())
+    assert [e.signed for e in copy.entries()] == [True, False]
+
+
+# ---------------------------------------------------------------------------------------------
 # load reports and counts
 
 
