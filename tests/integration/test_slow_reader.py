@@ -1,6 +1,6 @@
 """Clients that stop reading a fast stream, through a live proxy: what the proxy holds for them
 is bounded, the instance's writes are held back instead, and the stream arrives intact once the
-client reads again.
+client reads again; a client that never does is ended by the request timeout.
 
 The decode instance is scripted (tests/integration/support.py) so it can stream far faster
 than any fake worker and count what it managed to write; the proxy is a real process.
@@ -19,6 +19,9 @@ from collections.abc import Iterator
 from contextlib import ExitStack, contextmanager
 from dataclasses import dataclass, field
 
+import pytest
+
+from pdproxy.proxy.exchange import LAST_EVENT_SECONDS
 from pdproxy.testing.fleet import LocalFleet
 from pdproxy.testing.processes import http_get, wait_until
 from pdproxy.testing.stream_crowd import rss_kib
@@ -202,3 +205,37 @@ def test_a_stalled_client_holds_a_bounded_amount_and_gets_its_stream_whole(
             5.0,
             "every request to end",
         )
+
+
+REQUEST_TIMEOUT_S = 4.0
+
+
+def test_the_request_timeout_ends_a_stream_whose_client_never_reads(
+    fleet_factory: FleetFactory,
+) -> None:
+    """While the relay waits for its client, the instance is off the clock (the stream idle
+    timeout bounds only the instance's silences), but the request timeout still runs: it frees
+    the decode, and ending the stream does not wait without bound for the client either."""
+    decode = FloodingDecode(events=LONG_EVENTS)
+    timeout = str(REQUEST_TIMEOUT_S)
+    args = ("--request-timeout", timeout, "--connect-timeout", "1")
+    with proxy_before(decode, fleet_factory, *args) as fleet:
+        # The stream's status line went out (200) before the timeout: it is counted as such.
+        answered = {"endpoint": COMPLETIONS, "status": "200"}
+        with open_stream(fleet.proxy_url) as stalled:
+            wait_until_blocked(decode, 1)
+            # The decode leg is closed (the instance aborts the request) ...
+            wait_until(lambda: decode.aborted == 1, REQUEST_TIMEOUT_S + 10, "the decode to end")
+            # ... and the request ends, though its client still does not read: the error event
+            # cannot reach it, and waiting for that is bounded too.
+            wait_until(
+                lambda: metric_value(fleet.proxy_url, "pdproxy_requests_total", answered) == 1,
+                LAST_EVENT_SECONDS + 10,
+                "the request to end",
+            )
+            assert metric_value(fleet.proxy_url, "pdproxy_admitted_requests") == 0
+            # Reading now, the client finds its stream cut short, not ended as if complete.
+            with pytest.raises(http.client.IncompleteRead):
+                stalled.read()
+        decode.events = SHORT_EVENTS
+        assert short_stream(fleet.proxy_url) == expected_stream(SHORT_EVENTS)
