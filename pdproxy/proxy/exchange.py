@@ -22,6 +22,9 @@ Headers = list[tuple[bytes, bytes]]
 
 JSON = b"application/json"
 SSE_DONE = b"data: [DONE]\n\n"
+# How long a failed stream's last event may wait for a client that stopped reading (its
+# write buffer is full); after that the stream is left unfinished and its connection closed.
+LAST_EVENT_SECONDS = 5.0
 
 
 @dataclass(slots=True, init=False, unsafe_hash=True)
@@ -235,7 +238,8 @@ class Exchange:
                 error_event = error_body(error.status, error.message, code=error.code)
                 tail = b"data: " + error_event + b"\n\n" + SSE_DONE
             with contextlib.suppress(Exception):
-                await self.end_stream(tail)
+                async with asyncio.timeout(LAST_EVENT_SECONDS):  # rare: no Deadline needed
+                    await self.end_stream(tail)
             return
         if self.started:  # headers out, body not: nothing valid can follow
             return

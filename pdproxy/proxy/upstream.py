@@ -16,6 +16,7 @@ from __future__ import annotations
 import asyncio
 import contextlib
 import errno
+import socket
 from collections import deque
 from collections.abc import Mapping
 from typing import cast
@@ -30,9 +31,19 @@ from pdproxy.proxy.slots import Slots
 # Idle connections are dropped before uvicorn's default keep-alive (5 s, what vLLM runs with)
 # would close them under us.
 KEEPALIVE_SECONDS = 4.0
-# Stop reading from an instance when this much of its answer waits for a slow client.
-_HIGH_WATER = 1024 * 1024
-_LOW_WATER = 256 * 1024
+# Back-pressure for a client slower than its instance, bounded per stream. Reading from the
+# instance stops while more than HIGH_WATER bytes of its answer are held (queued by the parser,
+# plus the piece last handed out until the caller asks for the next one: a relay waiting for
+# its client still holds it) and starts again below LOW_WATER. The read that crosses the mark
+# is parsed whole, so one read comes on top: the socket's receive buffer, capped at
+# RECEIVE_BUFFER (the kernel doubles it), bounds that read, and keeps the kernel from holding
+# megabytes for the stalled stream (net.ipv4.tcp_rmem autotuning) while reading pauses.
+HIGH_WATER = 64 * 1024
+LOW_WATER = 16 * 1024
+RECEIVE_BUFFER = 64 * 1024
+# Queued pieces are handed out joined up to this size (or one larger parsed piece): a client's
+# write buffer takes one piece past its own high-water mark.
+HANDED_PIECE = 64 * 1024
 _USER_AGENT_LINE = f"User-Agent: pdproxy/{__version__}\r\n"
 # A pooled connection the instance had already closed fails at once; a failure later than this
 # after sending may mean the instance read the request, so it is not replayed.
@@ -85,7 +96,8 @@ class _Connection(asyncio.Protocol):
         self._keep_alive = True
         self._error: UpstreamError | None = None
         self._chunks: deque[bytes] = deque()
-        self._buffered = 0
+        self.held = 0  # bytes queued in _chunks plus the piece last handed out
+        self._handed = 0  # the size of that piece: held until the next call for a piece
         self._paused = False
         self._waiter: asyncio.Future[None] | None = None
         self.received_any = False
@@ -95,6 +107,9 @@ class _Connection(asyncio.Protocol):
     def connection_made(self, transport: asyncio.BaseTransport) -> None:
         # uvloop's transports implement asyncio.Transport without subclassing it.
         self._transport = cast(asyncio.Transport, transport)
+        sock = transport.get_extra_info("socket")
+        if sock is not None:  # see RECEIVE_BUFFER; past it the instance's own writes wait
+            sock.setsockopt(socket.SOL_SOCKET, socket.SO_RCVBUF, RECEIVE_BUFFER)
 
     def data_received(self, data: bytes) -> None:
         if not self._in_exchange:
@@ -137,8 +152,8 @@ class _Connection(asyncio.Protocol):
 
     def on_body(self, body: bytes) -> None:
         self._chunks.append(body)
-        self._buffered += len(body)
-        if self._buffered > _HIGH_WATER and not self._paused and self._transport is not None:
+        self.held += len(body)
+        if self.held > HIGH_WATER and not self._paused and self._transport is not None:
             self._paused = True
             self._transport.pause_reading()
         self._wake()
@@ -165,13 +180,17 @@ class _Connection(asyncio.Protocol):
                 raise self._error  # also when the head came in the same read as the failure
 
     async def next_chunk(self) -> bytes:
+        # The caller is done with the piece it had (a relay wrote it to its client, whose own
+        # buffer bound applies from there): only now may more of the answer be read.
+        self.held -= self._handed
+        self._handed = 0
+        if self._paused and self.held < LOW_WATER and self._transport is not None:
+            self._paused = False
+            self._transport.resume_reading()
         while True:
             if self._chunks:
                 chunk = self._chunks.popleft() if len(self._chunks) == 1 else self._drain()
-                self._buffered -= len(chunk)
-                if self._paused and self._buffered < _LOW_WATER and self._transport is not None:
-                    self._paused = False
-                    self._transport.resume_reading()
+                self._handed = len(chunk)
                 return chunk
             if self._complete:
                 return b""
@@ -180,9 +199,20 @@ class _Connection(asyncio.Protocol):
                 raise self._error  # buffered bytes of a failed answer are not relayed
 
     def _drain(self) -> bytes:
-        chunk = b"".join(self._chunks)
-        self._chunks.clear()
-        return chunk
+        """The queued pieces joined (one write for the client instead of many), at most about
+        HANDED_PIECE bytes of them: a client's write buffer takes a piece past its own bound."""
+        chunks = self._chunks
+        if self.held <= HANDED_PIECE:  # nothing is handed out when this runs: all is queued
+            chunk = b"".join(chunks)
+            chunks.clear()
+            return chunk
+        parts = [chunks.popleft()]
+        size = len(parts[0])
+        while chunks and size + len(chunks[0]) <= HANDED_PIECE:
+            part = chunks.popleft()
+            parts.append(part)
+            size += len(part)
+        return parts[0] if len(parts) == 1 else b"".join(parts)
 
     @property
     def usable(self) -> bool:

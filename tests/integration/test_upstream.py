@@ -324,6 +324,11 @@ def test_answer_over_limit() -> None:
     asyncio.run(scenario())
 
 
+# One read on top of the high-water mark: at most what the socket's receive buffer holds (the
+# kernel doubles the size asked for).
+HELD_BOUND = upstream_module.HIGH_WATER + 2 * upstream_module.RECEIVE_BUFFER
+
+
 def test_slow_reader_applies_back_pressure() -> None:
     total = 16 * 1024 * 1024
 
@@ -345,10 +350,57 @@ def test_slow_reader_applies_back_pressure() -> None:
                     while chunk := await stream.next_chunk():
                         received += len(chunk)
                         await asyncio.sleep(0.001)  # a slow client
-                        peak = max(peak, connection._buffered)
+                        peak = max(peak, connection.held)
                     assert received == total
-                    # Reading paused at the high-water mark: buffered bytes stay bounded.
-                    assert peak <= upstream_module._HIGH_WATER + 512 * 1024
+                    # Reading paused at the high-water mark: held bytes stay bounded.
+                    assert peak <= HELD_BOUND
+
+            await with_client(test)
+
+    asyncio.run(scenario())
+
+
+def test_reading_stays_paused_while_the_caller_holds_a_piece() -> None:
+    """A relay whose client does not read holds its last piece: the instance's writes stop
+    once a bounded amount is buffered, kernel buffers included, until the next piece is asked
+    for; then the whole answer arrives intact, in pieces of bounded size."""
+    event = b"data: " + b"y" * 90 + b"\n\n"  # many small SSE events, as vLLM streams them
+    events = 100_000  # 9.8 MiB, far more than every buffer on the way together
+    written = 0
+
+    async def sse(reader: asyncio.StreamReader, writer: asyncio.StreamWriter) -> None:
+        nonlocal written
+        # A small send buffer, so that what the test sees is the proxy's buffering.
+        writer.get_extra_info("socket").setsockopt(socket.SOL_SOCKET, socket.SO_SNDBUF, 16384)
+        await read_request(reader)
+        writer.write(b"HTTP/1.1 200 OK\r\nTransfer-Encoding: chunked\r\n\r\n")
+        for _ in range(events):
+            writer.write(b"%x\r\n%s\r\n" % (len(event), event))
+            written += len(event)
+            if writer.transport.get_write_buffer_size() > 65536:
+                await writer.drain()
+        writer.write(b"0\r\n\r\n")
+        await writer.drain()
+
+    async def scenario() -> None:
+        async with Server(sse) as server:
+
+            async def test(client: Upstream) -> None:
+                async with client.stream("POST", server.address, "/", b"{}", HEADERS) as stream:
+                    received = len(await stream.next_chunk())
+                    before = -1
+                    while before != written:  # until the instance's writes are blocked
+                        before = written
+                        await asyncio.sleep(0.3)
+                    # Beyond what the caller took: the server's own write buffer (64 KiB
+                    # before it drains) and socket buffers, and what this client holds.
+                    assert written - received <= HELD_BOUND + 512 * 1024
+                    assert stream._connection.held <= HELD_BOUND
+                    body = [b"x" * received]
+                    while chunk := await stream.next_chunk():
+                        assert len(chunk) <= upstream_module.HANDED_PIECE
+                        body.append(chunk)
+                    assert b"".join(body)[received:] == (event * events)[received:]
 
             await with_client(test)
 
