@@ -23,8 +23,11 @@ request is handled as plain HTTP, as uvicorn does without a WebSocket library.
 from __future__ import annotations
 
 import asyncio
+import contextlib
 import http
 import logging
+import socket
+import struct
 import urllib.parse
 from collections import deque
 from collections.abc import Callable, Mapping
@@ -70,6 +73,8 @@ _CONTINUE = b"HTTP/1.1 100 Continue\r\n\r\n"
 _LAST_CHUNK = b"0\r\n\r\n"
 # Anything but control characters; the CR LF that end each line are counted apart and tab is
 # allowed in values.
+# SO_LINGER on with a zero timeout: close() resets the connection and drops its send queue.
+_LINGER_OFF = struct.pack("ii", 1, 0)
 _NOT_CONTROL = bytes(b for b in range(256) if b in b"\t\n\r" or 0x20 <= b < 0x7F or b > 0x7F)
 
 
@@ -630,8 +635,11 @@ class _Cycle:
                 log.error("the ASGI application returned without starting a response")
                 self._abort()
             elif not self.complete and not self.disconnected:
-                log.error("the ASGI application returned without completing its response")
-                self._transport.close()
+                # An application may give up on a client that stopped reading: what it left in
+                # the write buffer is a truncated answer, so it is dropped with the connection
+                # rather than kept until that client reads it.
+                log.warning("the ASGI application returned without completing its response")
+                _close_cut_short(self._transport)
         finally:
             self._on_disconnect = None
 
@@ -811,7 +819,7 @@ class _Cycle:
         if self.disconnected:
             return
         if self.started and self._head is None:
-            self._transport.close()
+            _close_cut_short(self._transport)
             return
         self._head = None  # a head held back was never sent: the 500 replaces it
         self._head_only = self.scope["method"] == "HEAD"
@@ -820,6 +828,21 @@ class _Cycle:
         headers = ((b"content-type", b"text/plain; charset=utf-8"), (b"content-length", b"21"))
         self._start(500, headers)
         self._body(b"Internal Server Error", more_body=False)
+
+
+def _close_cut_short(transport: asyncio.Transport) -> None:
+    """End a connection whose answer was cut short. While the client is not taking what was
+    sent (bytes wait in the proxy's buffer), the rest is dropped in the kernel too: a closed
+    socket's send queue (megabytes) would otherwise wait for that client to read or leave.
+    Otherwise a plain close lets the client read up to the cut."""
+    if not transport.get_write_buffer_size():
+        transport.close()
+        return
+    sock = transport.get_extra_info("socket")
+    if sock is not None:
+        with contextlib.suppress(OSError):
+            sock.setsockopt(socket.SOL_SOCKET, socket.SO_LINGER, _LINGER_OFF)
+    transport.abort()
 
 
 def _release(waiters: list[asyncio.Future[None]]) -> None:
