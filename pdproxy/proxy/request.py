@@ -13,7 +13,7 @@ from typing import Any
 
 import orjson
 
-from pdproxy.proxy.errors import ProxyError
+from pdproxy.proxy.errors import ProxyError, vllm_bad_request
 from pdproxy.proxy.kv_params import PARAMS_FIELD
 
 # The prefill leg must produce exactly one token and return: minimums above 1 are capped.
@@ -30,6 +30,8 @@ BYTES_PER_VALUE = 16
 # object's first key '{', a key's value ':', any other element or key ','): their count bounds
 # the values, and can be taken before parsing. In strings they count too, which only overcounts.
 _VALUE_MARKS = b",:[{"
+# vLLM's default max_tokens for /v1/completions (chat has none: until the context is full).
+COMPLETIONS_DEFAULT_MAX_TOKENS = 16
 # Where vLLM takes extra request arguments from (its SamplingParams.extra_args), which is also
 # where connectors read kv_transfer_params from.
 XARGS_FIELD = "vllm_xargs"
@@ -86,6 +88,38 @@ class CompletionRequest:
             return self.body
         head = self.body.rstrip(b" \t\r\n")[:-1]
         return b'%s,"%s":%s}' % (head, PARAMS_FIELD.encode(), orjson.dumps(kv_transfer_params))
+
+    def context_refusal(self, max_model_len: int) -> bytes | None:
+        """vLLM's own 400 body when this request asks for more output tokens than a model of
+        `max_model_len` can hold, else None.
+
+        vLLM 0.32 refuses exactly that, whatever the prompt (renderers/params.py); a prompt
+        that leaves less room only shortens the output (get_max_tokens), and a prompt that is
+        too long alone is refused by the prefill leg already. So this needs no tokenizer and
+        refuses nothing vLLM would serve; older vLLM refused prompt + max_tokens beyond the
+        context, which a prompt of at least one token makes true here too (its words differ).
+        Only JSON integers are judged: vLLM also takes "600" or 600.0, and judges those itself.
+        """
+        param, value = self._output_limit()
+        if not isinstance(value, int) or isinstance(value, bool) or value <= max_model_len:
+            return None
+        message = (
+            f"{param}={value} cannot be greater than max_model_len={max_model_len}. "
+            f"Please request fewer output tokens. (parameter={param}, value={value})"
+        )
+        return vllm_bad_request(message, param)
+
+    def _output_limit(self) -> tuple[str, object]:
+        """The output limit vLLM checks against the context, and the field it came from: for
+        chat max_completion_tokens, else max_tokens; for completions max_tokens, whose
+        default is 16 (null: none)."""
+        payload = self.payload
+        if not self.chat:
+            return "max_tokens", payload.get("max_tokens", COMPLETIONS_DEFAULT_MAX_TOKENS)
+        value = payload.get("max_completion_tokens")
+        if value is not None:
+            return "max_completion_tokens", value
+        return "max_tokens", payload.get("max_tokens")
 
 
 def parse_completion(

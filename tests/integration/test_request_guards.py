@@ -1,6 +1,8 @@
 """Request bodies the proxy refuses before any leg, through a live `pdproxy serve` and fake
 workers: JSON nested deeper than pdproxy can write back, bodies holding more values than it
-parses, kv_transfer_params through vllm_xargs."""
+parses, kv_transfer_params through vllm_xargs, and output limits beyond the context length the
+decode announced (vLLM's own answer, no KV made for nothing). Also the count of KV a prefill
+made for a decode that then refused."""
 
 from __future__ import annotations
 
@@ -12,9 +14,11 @@ from typing import Any
 import pytest
 
 from pdproxy.testing.fleet import LocalFleet, WorkerSpec
+from pdproxy.testing.processes import LOOPBACK, free_ports, wait_until
 from tests.conftest import FleetFactory
 from tests.integration.support import (
     Answer,
+    metric_value,
     post_json,
     request,
     set_behaviour,
@@ -107,6 +111,114 @@ def test_kv_transfer_params_in_vllm_xargs_is_400(fleet: LocalFleet, path: str) -
     # Other extension arguments still go through.
     answer = post_json(fleet.proxy_url + path, payload(path, vllm_xargs={"my_ext": 1}))
     assert answer.status == 200, answer.body
+
+
+# --- the announced context length --------------------------------------------------------------
+
+
+@pytest.mark.parametrize(
+    ("path", "limit"),
+    [
+        ("/v1/completions", "max_tokens"),
+        ("/v1/chat/completions", "max_tokens"),
+        ("/v1/chat/completions", "max_completion_tokens"),
+    ],
+)
+def test_more_output_tokens_than_the_decode_holds_is_refused_before_any_leg(
+    fleet: LocalFleet, path: str, limit: str
+) -> None:
+    body = payload(path, **{limit: CONTEXT + 1})
+    before = metric_value(fleet.proxy_url, ORPHANED, DECODE_REFUSED)
+    answer = post_json(fleet.proxy_url + path, body)
+    assert no_leg_sent(fleet)  # no prefill ran: no KV made for a decode that refuses
+    # Word for word what the decode itself answers.
+    direct = post_json(fleet.role("D")[0].url + path, body)
+    assert (answer.status, answer.json()) == (direct.status, direct.json())
+    assert answer.json()["error"] == {
+        "message": f"{limit}={CONTEXT + 1} cannot be greater than max_model_len={CONTEXT}. "
+        f"Please request fewer output tokens. (parameter={limit}, value={CONTEXT + 1})",
+        "type": "BadRequestError",
+        "param": limit,
+        "code": 400,
+    }
+    assert metric_value(fleet.proxy_url, ORPHANED, DECODE_REFUSED) == before
+
+
+@pytest.mark.parametrize("path", PATHS)
+def test_an_output_limit_the_context_holds_is_served(fleet: LocalFleet, path: str) -> None:
+    answer = post_json(fleet.proxy_url + path, payload(path, max_tokens=CONTEXT))
+    assert answer.status == 200, answer.body
+    assert len(fleet.completion_requests("P")) == 1 and len(fleet.completion_requests("D")) == 1
+
+
+def test_a_static_decode_can_declare_its_context_length(fleet_factory: FleetFactory) -> None:
+    # Nothing listens at these addresses: a leg sent there fails with 502, a refusal comes first.
+    p_http, p_zmq, d_http, d_zmq, other_http, other_zmq = free_ports(6)
+    prefill = f"http={LOOPBACK}:{p_http},zmq={LOOPBACK}:{p_zmq},model={MODEL}"
+    decode = f"http={LOOPBACK}:{d_http},zmq={LOOPBACK}:{d_zmq},model={MODEL},max_model_len=64"
+    fleet = fleet_factory(
+        [], proxy_args=["--prefill", prefill, "--decode", decode, "--max-attempts", "1"]
+    )
+    url = fleet.proxy_url + "/v1/completions"
+    answer = post_json(url, payload("/v1/completions", max_tokens=65))
+    assert answer.status == 400 and answer.json()["error"]["param"] == "max_tokens"
+    assert "max_model_len=64" in answer.json()["error"]["message"]
+    answer = post_json(url, payload("/v1/completions", max_tokens=64))
+    assert answer.status == 502  # within the context: the prefill leg was tried
+
+    unknown = f"http={LOOPBACK}:{other_http},zmq={LOOPBACK}:{other_zmq},model={MODEL}"
+    fleet = fleet_factory(
+        [], proxy_args=["--prefill", prefill, "--decode", unknown, "--max-attempts", "1"]
+    )
+    body = payload("/v1/completions", max_tokens=65)
+    answer = post_json(fleet.proxy_url + "/v1/completions", body)
+    assert answer.status == 502  # no context length known: nothing refused on a guess
+
+
+# --- KV orphaned by a decode that refused ------------------------------------------------------
+
+
+def test_a_decode_refusing_after_the_prefill_counts_orphaned_kv(fleet: LocalFleet) -> None:
+    before = metric_value(fleet.proxy_url, ORPHANED, DECODE_REFUSED)
+    refusal = {"error": {"message": "no", "type": "BadRequestError", "param": None, "code": 400}}
+    set_behaviour(fleet.role("D")[0].url, status=400, error_body=refusal)
+    answer = post_json(fleet.proxy_url + "/v1/completions", payload("/v1/completions"))
+    assert (answer.status, answer.json()) == (400, refusal)
+    assert len(fleet.completion_requests("P")) == 1  # the prefill ran, its KV went nowhere
+    assert metric_value(fleet.proxy_url, ORPHANED, DECODE_REFUSED) == before + 1
+
+
+def test_a_prefill_refusal_orphans_nothing(fleet: LocalFleet) -> None:
+    before = metric_value(fleet.proxy_url, ORPHANED, DECODE_REFUSED)
+    set_behaviour(fleet.role("P")[0].url, status=400)
+    answer = post_json(fleet.proxy_url + "/v1/completions", payload("/v1/completions"))
+    assert answer.status == 400
+    assert not fleet.completion_requests("D")
+    assert metric_value(fleet.proxy_url, ORPHANED, DECODE_REFUSED) == before
+
+
+def test_orphaned_kv_is_counted_with_the_decode_sent_beside_the_prefill(
+    fleet_factory: FleetFactory,
+) -> None:
+    # pdproxy's connector: both legs at once, the decode's refusal arrives while the prefill runs.
+    fleet = fleet_factory(
+        [
+            WorkerSpec("P", prefill_latency_ms=300, extra_args=("--connector", "pdproxy")),
+            WorkerSpec("D", extra_args=("--connector", "pdproxy")),
+        ]
+    )
+    set_behaviour(fleet.role("D")[0].url, status=400)
+    assert metric_value(fleet.proxy_url, ORPHANED, DECODE_REFUSED) == 0
+    answer = post_json(fleet.proxy_url + "/v1/completions", payload("/v1/completions"))
+    assert answer.status == 400
+    assert len(fleet.completion_requests("P")) == 1
+    # Counted once the prefill, still running when the client got the refusal, ended.
+    wait_until(
+        lambda: metric_value(fleet.proxy_url, ORPHANED, DECODE_REFUSED) == 1,
+        10.0,
+        "the orphaned KV counted",
+        fleet.processes(),
+    )
 
 
 # --- how much a body may cost ------------------------------------------------------------------

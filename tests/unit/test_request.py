@@ -482,3 +482,60 @@ def test_decode_body_adds_the_field_to_the_clients_bytes(body: bytes) -> None:
     assert out.startswith(body.rstrip()[:-1])  # nothing of the client's request rewritten
     assert orjson.loads(out) == {**request.payload, "kv_transfer_params": params}
     assert json.loads(out) == {**json.loads(body), "kv_transfer_params": params}
+
+
+# ---------------------------------------------------------------------------------------------
+# context_refusal: what vLLM 0.32 answers a request for more output tokens than the context
+
+
+def refusal(payload: dict[str, Any], path: str, max_model_len: int = 512) -> Any:
+    body = parse_completion(path, orjson.dumps({"model": "m", **payload})).context_refusal(
+        max_model_len
+    )
+    return None if body is None else orjson.loads(body)
+
+
+def test_context_refusal_is_vllms_own_answer() -> None:
+    assert refusal({"prompt": "hi", "max_tokens": 513}, COMPLETIONS) == {
+        "error": {
+            "message": "max_tokens=513 cannot be greater than max_model_len=512. Please request "
+            "fewer output tokens. (parameter=max_tokens, value=513)",
+            "type": "BadRequestError",
+            "param": "max_tokens",
+            "code": 400,
+        }
+    }
+
+
+@pytest.mark.parametrize(
+    ("path", "payload", "param"),
+    [
+        (COMPLETIONS, {"max_tokens": 513}, "max_tokens"),
+        (COMPLETIONS, {"max_tokens": 512}, None),  # vLLM 0.32 cuts the output to fit
+        (COMPLETIONS, {"max_tokens": 2**64 - 1}, "max_tokens"),
+        (COMPLETIONS, {}, None),  # the default, 16
+        (COMPLETIONS, {"max_tokens": None}, None),
+        (COMPLETIONS, {"max_completion_tokens": 9999}, None),  # not a completions field
+        (CHAT, {"max_tokens": 513}, "max_tokens"),
+        (CHAT, {"max_completion_tokens": 513, "max_tokens": 1}, "max_completion_tokens"),
+        (CHAT, {"max_completion_tokens": 1, "max_tokens": 9999}, None),  # it wins
+        (CHAT, {"max_completion_tokens": None, "max_tokens": 513}, "max_tokens"),
+        (CHAT, {}, None),  # chat has no default: until the context is full
+        # Only JSON integers are judged here; vLLM judges the rest itself.
+        (CHAT, {"max_tokens": True}, None),
+        (CHAT, {"max_tokens": 600.0}, None),
+        (CHAT, {"max_tokens": "600"}, None),
+        (CHAT, {"max_tokens": -1}, None),
+    ],
+)
+def test_context_refusal_cases(path: str, payload: dict[str, Any], param: str | None) -> None:
+    answer = refusal(payload, path)
+    assert (None if answer is None else answer["error"]["param"]) == param
+
+
+def test_completions_default_counts_against_a_tiny_context() -> None:
+    answer = refusal({"prompt": "x"}, COMPLETIONS, max_model_len=8)
+    assert (
+        answer is not None
+        and "max_tokens=16 cannot be greater than max_model_len=8" in (answer["error"]["message"])
+    )
