@@ -28,16 +28,20 @@ from pydantic import (
 from pdproxy.ids import Address, AddressError, parse_address
 from pdproxy.pairing.policies import DecodePolicyName, PrefillPolicyName
 from pdproxy.registry.auth import MIN_SECRET_BYTES, AuthConfigError, parse_cidrs
-from pdproxy.registry.messages import Connector
+from pdproxy.registry.messages import MAX_MODEL_LEN, Connector
 
 ENV_PREFIX = "PDPROXY_"
 MiB = 1024 * 1024
 
 
+_INSTANCE_KEYS = ("http", "zmq", "model", "max_model_len")
+_INSTANCE_SYNTAX = "http=HOST:PORT,zmq=HOST:PORT[,model=NAME][,max_model_len=N]"
+
+
 class StaticInstance(BaseModel):
     """An instance the operator configured; it never expires.
 
-    Written on the command line as `http=HOST:PORT,zmq=HOST:PORT[,model=NAME]`.
+    Written on the command line as `http=HOST:PORT,zmq=HOST:PORT[,model=NAME][,max_model_len=N]`.
     """
 
     model_config = ConfigDict(frozen=True, extra="forbid")
@@ -45,6 +49,9 @@ class StaticInstance(BaseModel):
     http: str
     zmq: str
     model: str | None = Field(None, min_length=1, max_length=256)
+    # The context length the instance runs its model with (vLLM's --max-model-len): with it,
+    # the proxy refuses requests for more output tokens itself, before any prefill.
+    max_model_len: int | None = Field(None, ge=1, le=MAX_MODEL_LEN)
 
     @model_validator(mode="before")
     @classmethod
@@ -54,10 +61,8 @@ class StaticInstance(BaseModel):
         fields: dict[str, str] = {}
         for part in value.split(","):
             key, sep, item = part.strip().partition("=")
-            if not sep or key not in ("http", "zmq", "model") or key in fields:
-                raise ValueError(
-                    f"bad instance {value!r}: expected http=HOST:PORT,zmq=HOST:PORT[,model=NAME]"
-                )
+            if not sep or key not in _INSTANCE_KEYS or key in fields:
+                raise ValueError(f"bad instance {value!r}: expected {_INSTANCE_SYNTAX}")
             fields[key] = item
         return fields
 
@@ -93,13 +98,11 @@ class Settings(BaseModel):
     )
     prefill: list[StaticInstance] = Field(
         default_factory=list,
-        description="Static prefill instance http=HOST:PORT,zmq=HOST:PORT[,model=NAME]; "
-        "repeatable; never expires.",
+        description=f"Static prefill instance {_INSTANCE_SYNTAX}; repeatable; never expires.",
     )
     decode: list[StaticInstance] = Field(
         default_factory=list,
-        description="Static decode instance http=HOST:PORT,zmq=HOST:PORT[,model=NAME]; "
-        "repeatable; never expires.",
+        description=f"Static decode instance {_INSTANCE_SYNTAX}; repeatable; never expires.",
     )
     max_instances: int = Field(4096, ge=1, description="Cap on registered instances.")
     registry_max_message_bytes: int = Field(

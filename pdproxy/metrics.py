@@ -85,6 +85,8 @@ PREFILL = "prefill"
 DECODE = "decode"
 LEG_ROLES = (PREFILL, DECODE)  # the role label of in-flight legs and upstream errors
 REFUSALS = ("queue_full", "queue_timeout", "draining", "unauthorized", "ambiguous_authorization")
+DECODE_REFUSED = "decode_refused"
+KV_ORPHAN_REASONS = (DECODE_REFUSED,)
 
 
 # pdproxy_inflight_requests: a gauge with several workers, else read by _InflightCollector.
@@ -259,8 +261,17 @@ class Metrics:
             registry=r,
             multiprocess_mode="livemostrecent",
         )
+        self.kv_orphaned = Counter(
+            "pdproxy_kv_orphaned",
+            "Prefill legs whose KV no decode took, by reason (decode_refused: the prefill "
+            "succeeded, then the decode answered 4xx; its KV was pushed or held for nothing).",
+            ["reason"],
+            registry=r,
+        )
         for outcome in COUNTED_OUTCOMES:
             self.kv_transfers.labels(outcome)
+        for reason in KV_ORPHAN_REASONS:
+            self.kv_orphaned.labels(reason)
         for reason in REFUSALS:
             self.refused.labels(reason)
         for role in LEG_ROLES:

@@ -22,7 +22,7 @@ from pdproxy.proxy.deadline import Deadline
 from pdproxy.proxy.dispatch import Dispatcher
 from pdproxy.proxy.errors import ProxyError
 from pdproxy.proxy.exchange import ClientGone, ClientHeaders, Exchange, Scope
-from pdproxy.proxy.request import parse_completion
+from pdproxy.proxy.request import max_values, parse_completion
 
 log = logging.getLogger("pdproxy.proxy")
 access = logging.getLogger(ACCESS_LOGGER)
@@ -50,6 +50,7 @@ class CompletionsEndpoint:
         self._metrics = metrics
         self._alarms = alarms
         self._access_log = settings.log_format == "json"
+        self._max_values = max_values(settings.max_body_bytes)
         # Built in the lifespan, on the loop that serves: current_task(loop) is then a dict
         # lookup, where current_task() first looks the loop up (a getpid() on Python 3.11).
         self._loop = asyncio.get_running_loop()
@@ -69,7 +70,7 @@ class CompletionsEndpoint:
                 exchange.deadline = deadline.when() or exchange.deadline
                 async with self._admission.slot():
                     body = await self._read_body(exchange, client)
-                    request = parse_completion(self._path, body)
+                    request = parse_completion(self._path, body, self._max_values)
                     exchange.notes.model, exchange.notes.stream = request.model, request.stream
                     exchange.watch_disconnect()
                     await self._dispatcher.serve(request, exchange, client)

@@ -23,7 +23,7 @@ from typing import Any
 
 from pdproxy.config import Settings
 from pdproxy.ids import build_request_id
-from pdproxy.metrics import DECODE, PREFILL, Metrics
+from pdproxy.metrics import DECODE, DECODE_REFUSED, PREFILL, Metrics
 from pdproxy.pairing.features import RequestFeatures
 from pdproxy.pairing.planner import Direct, Pair
 from pdproxy.proxy.alarms import Alarms
@@ -207,6 +207,7 @@ class Dispatcher:
         pair = await self._rotation.choose(features, avoid)
         notes.prefill, notes.decode = pair.prefill.name, pair.decode.name
         prefill_held = True
+        refusal = _context_refusal(request, pair.decode)
 
         def release_prefill() -> None:
             nonlocal prefill_held
@@ -215,6 +216,12 @@ class Dispatcher:
                 self._rotation.release(pair.prefill.http_address, pair.prefill_tokens)
 
         try:
+            if refusal is not None:
+                # The decode would refuse it after the prefill made its KV for nothing: the
+                # client hears the decode's own words now, and no leg is sent.
+                notes.error = "context_length"
+                await exchange.whole(400, b"application/json", refusal)
+                return
             request_id = build_request_id(
                 pair.prefill.zmq_address, pair.decode.zmq_address, self._new_uid()
             )
@@ -243,9 +250,11 @@ class Dispatcher:
             self._answered_well(PREFILL, pair.prefill, prefill_began)
             with trace.leg(DECODE, pair.decode.name) as span:
                 body = request.decode_body(params)
-                await self._decode(
+                refused = await self._decode(
                     pair.decode, body, request, headers | span, exchange, exchange.task
                 )
+            if refused:
+                self._metrics.kv_orphaned.labels(DECODE_REFUSED).inc()
         finally:
             release_prefill()
             self._rotation.release(pair.decode.http_address, pair.decode_tokens)
@@ -262,8 +271,10 @@ class Dispatcher:
     ) -> None:
         """Prefill and decode sent at once (proxy.side_by_side): for connectors whose decode
         instance waits for the KV itself without holding its other requests."""
+        prefilled = refused = False
 
         async def prefill() -> Reply:
+            nonlocal prefilled
             began = self._rotation.now()
             task = asyncio.current_task(self._loop)
             assert task is not None
@@ -275,13 +286,15 @@ class Dispatcher:
             finally:
                 release_prefill()
             self._answered_well(PREFILL, pair.prefill, began)
+            prefilled = answer.status < 400
             return answer
 
         async def decode() -> None:
+            nonlocal refused
             task = asyncio.current_task(self._loop)
             assert task is not None
             with trace.leg(DECODE, pair.decode.name) as span:
-                await self._decode(
+                refused = await self._decode(
                     pair.decode,
                     request.decode_body(None),
                     request,
@@ -297,6 +310,8 @@ class Dispatcher:
         if refusal is not None:
             # vLLM refused the request (4xx) before the decode answered: its own words.
             await exchange.whole(refusal.status, refusal.content_type, refusal.body)
+        elif refused and prefilled:  # the prefill ran to its end beside a decode that refused
+            self._metrics.kv_orphaned.labels(DECODE_REFUSED).inc()
 
     async def _serve_direct(
         self,
@@ -381,9 +396,10 @@ class Dispatcher:
         exchange: Exchange,
         task: asyncio.Task[Any],
         prefill_wait: float = 0.0,
-    ) -> None:
-        """Relay the decode's answer; `task`: the one this runs in (its deadlines cancel it);
-        `prefill_wait`: how long the instance may first wait for a prefill running alongside."""
+    ) -> bool:
+        """Relay the decode's answer; True if it was a refusal (4xx). `task`: the one this runs
+        in (its deadlines cancel it); `prefill_wait`: how long the instance may first wait for
+        a prefill running alongside."""
         settings = self._settings
         loop = task.get_loop()
         started = time.perf_counter()
@@ -405,7 +421,7 @@ class Dispatcher:
                     if 400 <= stream.status < 500:
                         self._answered_well(DECODE, instance, wait.began)
                         await exchange.whole(stream.status, stream.content_type, body)
-                        return
+                        return True
                     raise self._leg_failed(
                         DECODE,
                         instance,
@@ -422,7 +438,7 @@ class Dispatcher:
                     deadline.reschedule(None)
                     self._answered_well(DECODE, instance, wait.began)
                     await exchange.whole(stream.status, stream.content_type, body)
-                    return
+                    return False
                 chunk = await stream.next_chunk()
                 wait.answered = bool(chunk)
                 self._first_byte(exchange, started)
@@ -438,6 +454,7 @@ class Dispatcher:
                     deadline.reschedule(None)
                 self._answered_well(DECODE, instance, wait.began)
                 await exchange.end_stream()
+                return False
 
     def _first_byte(self, exchange: Exchange, started: float) -> None:
         exchange.notes.decode_first_byte_seconds = time.perf_counter() - started
@@ -515,6 +532,14 @@ class _LegWatch:
             raise dispatcher._leg_failed(
                 role, instance, exc.kind, exc.detail, wait.began, wait.answered
             ) from None
+
+
+def _context_refusal(request: CompletionRequest, decode: Instance) -> bytes | None:
+    """What `decode` would answer a request asking for more tokens than its context holds,
+    when it announced its context length (max_model_len)."""
+    if decode.max_model_len is None:
+        return None
+    return request.context_refusal(decode.max_model_len)
 
 
 def _status_kind(status: int) -> str:

@@ -57,3 +57,11 @@ def error_body(
             }
         }
     )
+
+
+def vllm_bad_request(message: str, param: str | None = None) -> bytes:
+    """A 400 as vLLM itself writes it (its ErrorResponse for a validation error), for a
+    refusal pdproxy makes on the instance's behalf: the client cannot tell the two apart."""
+    return orjson.dumps(
+        {"error": {"message": message, "type": "BadRequestError", "param": param, "code": 400}}
+    )

@@ -51,7 +51,8 @@ def prefill_params() -> dict[str, Any]:
 
 
 def params_from_answer(body: bytes) -> dict[str, Any] | None:
-    """The prefill answer's kv_transfer_params object, or None if it has none."""
+    """The prefill answer's kv_transfer_params object, or None if it has none pdproxy can
+    forward."""
     try:
         answer = orjson.loads(body)
     except orjson.JSONDecodeError:
@@ -59,4 +60,10 @@ def params_from_answer(body: bytes) -> dict[str, Any] | None:
     if not isinstance(answer, dict):
         return None
     params = answer.get(PARAMS_FIELD)
-    return params if isinstance(params, dict) and params else None
+    if not isinstance(params, dict) or not params:
+        return None
+    try:
+        orjson.dumps(params)  # what the decode leg must carry: nested deeper than orjson writes?
+    except orjson.JSONEncodeError:
+        return None
+    return params

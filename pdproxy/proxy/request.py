@@ -1,5 +1,9 @@
 """A client's completion request: parsed once, validated just enough to route it, and the
 prefill leg's body derived from it. Pure.
+
+Two bounds keep a body the proxy accepts one it can carry: its nesting (what orjson can write
+back) and how many JSON values it holds (what parsing it costs in memory: up to about 72 bytes
+per value, against about one byte per byte of string).
 """
 
 from __future__ import annotations
@@ -9,11 +13,33 @@ from typing import Any
 
 import orjson
 
-from pdproxy.proxy.errors import ProxyError
+from pdproxy.proxy.errors import ProxyError, vllm_bad_request
 from pdproxy.proxy.kv_params import PARAMS_FIELD
 
 # The prefill leg must produce exactly one token and return: minimums above 1 are capped.
 _MIN_FIELDS = ("min_tokens", "min_completion_tokens")
+
+# orjson reads JSON nested up to 1024 levels but writes at most 254 (its recursion limit,
+# pinned by a test): the prefill leg's body is written back, so nothing deeper is accepted.
+MAX_DEPTH = 254
+# One JSON value per this many bytes of the body limit (2 Mi values for 32 MiB): parsed, a
+# value costs up to about 72 bytes (an empty list, a one-character string), so the parsed body
+# costs at most about 4.5 times the body limit in values, plus its strings.
+BYTES_PER_VALUE = 16
+# Every value but the top one follows one of these bytes (an array's first element '[', an
+# object's first key '{', a key's value ':', any other element or key ','): their count bounds
+# the values, and can be taken before parsing. In strings they count too, which only overcounts.
+_VALUE_MARKS = b",:[{"
+# vLLM's default max_tokens for /v1/completions (chat has none: until the context is full).
+COMPLETIONS_DEFAULT_MAX_TOKENS = 16
+# Where vLLM takes extra request arguments from (its SamplingParams.extra_args), which is also
+# where connectors read kv_transfer_params from.
+XARGS_FIELD = "vllm_xargs"
+
+
+def max_values(max_body_bytes: int) -> int:
+    """How many JSON values a body may hold under a body limit of `max_body_bytes`."""
+    return max(1, max_body_bytes // BYTES_PER_VALUE)
 
 
 @dataclass(slots=True, init=False)
@@ -55,20 +81,60 @@ class CompletionRequest:
         return orjson.dumps(payload)
 
     def decode_body(self, kv_transfer_params: dict[str, Any] | None = None) -> bytes:
-        """The client's bytes, unchanged, unless the prefill's KV location must ride along."""
+        """The client's bytes, unchanged, unless the prefill's KV location must ride along:
+        then the same bytes with that one field added before the closing brace (the object
+        has at least `model`, and never this field: parse_completion refused it)."""
         if kv_transfer_params is None:
             return self.body
-        return orjson.dumps({**self.payload, PARAMS_FIELD: kv_transfer_params})
+        head = self.body.rstrip(b" \t\r\n")[:-1]
+        return b'%s,"%s":%s}' % (head, PARAMS_FIELD.encode(), orjson.dumps(kv_transfer_params))
+
+    def context_refusal(self, max_model_len: int) -> bytes | None:
+        """vLLM's own 400 body when this request asks for more output tokens than a model of
+        `max_model_len` can hold, else None.
+
+        vLLM 0.32 refuses exactly that, whatever the prompt (renderers/params.py); a prompt
+        that leaves less room only shortens the output (get_max_tokens), and a prompt that is
+        too long alone is refused by the prefill leg already. So this needs no tokenizer and
+        refuses nothing vLLM would serve; older vLLM refused prompt + max_tokens beyond the
+        context, which a prompt of at least one token makes true here too (its words differ).
+        Only JSON integers are judged: vLLM also takes "600" or 600.0, and judges those itself.
+        """
+        param, value = self._output_limit()
+        if not isinstance(value, int) or isinstance(value, bool) or value <= max_model_len:
+            return None
+        message = (
+            f"{param}={value} cannot be greater than max_model_len={max_model_len}. "
+            f"Please request fewer output tokens. (parameter={param}, value={value})"
+        )
+        return vllm_bad_request(message, param)
+
+    def _output_limit(self) -> tuple[str, object]:
+        """The output limit vLLM checks against the context, and the field it came from: for
+        chat max_completion_tokens, else max_tokens; for completions max_tokens, whose
+        default is 16 (null: none)."""
+        payload = self.payload
+        if not self.chat:
+            return "max_tokens", payload.get("max_tokens", COMPLETIONS_DEFAULT_MAX_TOKENS)
+        value = payload.get("max_completion_tokens")
+        if value is not None:
+            return "max_completion_tokens", value
+        return "max_tokens", payload.get("max_tokens")
 
 
-def parse_completion(path: str, body: bytes) -> CompletionRequest:
-    """Raise ProxyError (400) unless the body is a JSON object naming a model."""
+def parse_completion(
+    path: str, body: bytes, value_limit: int = max_values(32 * 1024 * 1024)
+) -> CompletionRequest:
+    """Raise ProxyError (400; 413 for more than `value_limit` JSON values) unless the body is
+    a JSON object naming a model that pdproxy can forward."""
+    _check_values(body, value_limit)
     try:
         payload = orjson.loads(body)
     except orjson.JSONDecodeError as exc:
         raise ProxyError(
             400, f"request body is not valid JSON: {exc}", code="invalid_json"
         ) from None
+    _check_depth(payload)
     if not isinstance(payload, dict):
         raise ProxyError(
             400,
@@ -91,10 +157,50 @@ def parse_completion(path: str, body: bytes) -> CompletionRequest:
             param=PARAMS_FIELD,
             code="invalid_request",
         )
+    xargs = payload.get(XARGS_FIELD)
+    if isinstance(xargs, dict) and PARAMS_FIELD in xargs:
+        # vLLM copies vllm_xargs into the request's extra args, where the connectors read
+        # kv_transfer_params: the same field by another door. (Not a map: vLLM refuses it.)
+        raise ProxyError(
+            400,
+            f"'{XARGS_FIELD}.{PARAMS_FIELD}' is set by pdproxy, not by clients",
+            param=f"{XARGS_FIELD}.{PARAMS_FIELD}",
+            code="invalid_request",
+        )
     stream = payload.get("stream", False)
     if stream is not None and not isinstance(stream, bool):
         raise ProxyError(400, "'stream' must be a boolean", param="stream", code="invalid_type")
     return CompletionRequest(path, body, payload, model, bool(stream))
+
+
+def _check_values(body: bytes, limit: int) -> None:
+    """413 when the body holds more than `limit` JSON values: counted from its bytes before
+    parsing, which is what the values would cost (a body shorter than the limit cannot hold
+    more values than bytes, and is not even scanned)."""
+    if len(body) <= limit:
+        return
+    marks = len(body) - len(body.translate(None, _VALUE_MARKS))
+    if marks >= limit:
+        raise ProxyError(
+            413,
+            f"request body holds more than {limit} JSON values (counted from its , : [ and {{ "
+            f"characters; at most one per {BYTES_PER_VALUE} bytes of the body limit)",
+            code="too_many_values",
+        )
+
+
+def _check_depth(payload: object) -> None:
+    """400 when the payload nests deeper than pdproxy can write back. Writing it is the exact
+    test, and the cheapest: orjson writes faster than bytes.count() scans for brackets (15 us
+    against 40 us for a 56 KB chat body here)."""
+    try:
+        orjson.dumps(payload)
+    except orjson.JSONEncodeError:
+        raise ProxyError(
+            400,
+            f"request body nests JSON deeper than {MAX_DEPTH} levels, which pdproxy cannot forward",
+            code="too_deep",
+        ) from None
 
 
 def _json_kind(value: object) -> str:

@@ -115,6 +115,8 @@ class Announcement:
     load: Load | None = None
     # False when the worker's sidecar cannot reach its server: keep it known, route nothing.
     healthy: bool = True
+    # The model's context length as the instance runs it (vLLM's max_model_len), if told.
+    max_model_len: int | None = None
 
 
 @dataclass(frozen=True, slots=True)
@@ -170,6 +172,9 @@ MAX_DTYPE_NAME = 32
 # per transfer counts at most 2**53, exact as a float (a metric's value).
 MAX_TRANSFERS = 256
 MAX_TRANSFER_COUNT = 2**53
+# Far above any real context (a few million tokens at most), far below anything that would
+# make arithmetic on it costly.
+MAX_MODEL_LEN = 2**32
 TRANSFER_ID = re.compile(r"[0-9a-f]{32}-[A-Za-z0-9_.-]{0,63}", re.ASCII)
 
 
@@ -236,6 +241,7 @@ def _announcement(payload: dict[Any, Any], version: int) -> Announcement:
         geometry=_geometry(payload.get("geometry")),
         load=_load(payload.get("load")),
         healthy=_healthy(payload.get("healthy", True)),
+        max_model_len=_max_model_len(payload.get("max_model_len")),
     )
 
 
@@ -261,6 +267,14 @@ def _model(value: object) -> str | None:
         return None
     if not isinstance(value, str) or not value or len(value) > MAX_MODEL_NAME:
         raise Rejected(Reason.WRONG_TYPE, "'model' must be a non-empty string (<= 256 chars)")
+    return value
+
+
+def _max_model_len(value: object) -> int | None:
+    if value is None:
+        return None
+    if isinstance(value, bool) or not isinstance(value, int) or not 1 <= value <= MAX_MODEL_LEN:
+        raise Rejected(Reason.WRONG_TYPE, "'max_model_len' must be an integer in 1..2**32")
     return value
 
 

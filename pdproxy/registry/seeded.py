@@ -16,7 +16,14 @@ def static_instances(settings: Settings) -> list[Instance]:
     configured = [(Role.PREFILL, spec) for spec in settings.prefill]
     configured += [(Role.DECODE, spec) for spec in settings.decode]
     return [
-        Instance(role, spec.http_address, spec.zmq_address, Source.STATIC, model=spec.model)
+        Instance(
+            role,
+            spec.http_address,
+            spec.zmq_address,
+            Source.STATIC,
+            model=spec.model,
+            max_model_len=spec.max_model_len,
+        )
         for role, spec in configured
     ]
 

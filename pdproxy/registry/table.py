@@ -48,6 +48,7 @@ class Instance:
     geometry: Geometry | None = None
     load: Load | None = None
     healthy: bool = True
+    max_model_len: int | None = None  # the context length the instance runs its model with
     # The label this instance carries in logs, metrics and errors; read several times per
     # request, so made once.
     name: str = field(init=False, repr=False, compare=False)
@@ -97,6 +98,7 @@ def instance_from(announcement: Announcement) -> Instance:
         geometry=announcement.geometry,
         load=announcement.load,
         healthy=announcement.healthy,
+        max_model_len=announcement.max_model_len,
     )
 
 
@@ -284,7 +286,12 @@ class RegistryTable:
                 f"{static.name} is configured statically as {static.role.value} with zmq "
                 f"{static.zmq_address}" + (f" and model {static.model}" if static.model else ""),
             )
-        return replace(incoming, source=Source.STATIC, model=static.model or incoming.model)
+        return replace(
+            incoming,
+            source=Source.STATIC,
+            model=static.model or incoming.model,
+            max_model_len=static.max_model_len or incoming.max_model_len,
+        )
 
     def remove(
         self, http_address: Address, *, by_operator: bool = False, signed: bool = False

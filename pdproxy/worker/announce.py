@@ -1,9 +1,10 @@
 """`pdproxy announce`: the registry sidecar for a stock vLLM server, which itself sends only v0.
 
 It announces v1 for one server: its role, addresses, connector kind, model and geometry (from
-flags or the model's config.json), with the load scraped each period from the server's own
-/metrics. While the server does not answer it keeps announcing, marked unhealthy, so the proxy
-stops routing there without forgetting the instance; on SIGTERM or SIGINT it sends `leave`.
+flags or the model's config.json), its context length (a flag, else the server's /v1/models),
+with the load scraped each period from the server's own /metrics. While the server does not
+answer it keeps announcing, marked unhealthy, so the proxy stops routing there without
+forgetting the instance; on SIGTERM or SIGINT it sends `leave`.
 """
 
 from __future__ import annotations
@@ -16,14 +17,14 @@ import signal
 import sys
 import urllib.error
 import urllib.request
-from collections.abc import Mapping
+from collections.abc import Callable, Mapping
 from pathlib import Path
 from types import FrameType
 from typing import Any
 
 from pdproxy.ids import AddressError, parse_address
 from pdproxy.registry.messages import MAX_DTYPE_NAME
-from pdproxy.worker.announcement import WorkerGeometry, WorkerIdentity
+from pdproxy.worker.announcement import WorkerGeometry, WorkerIdentity, context_length
 from pdproxy.worker.announcer import DEFAULT_INTERVAL_S, Announcer, LoadSample
 from pdproxy.worker.model_config import ModelConfigError, geometry_from_model_config
 from pdproxy.worker.registry_client import RegistryClient
@@ -34,6 +35,7 @@ log = logging.getLogger("pdproxy.announce")
 
 CONNECTOR_KINDS = ("p2p_nccl", "nixl", "pdproxy")
 MAX_METRICS_BYTES = 8 * 1024 * 1024  # a /metrics page larger than this is not vLLM's
+MAX_MODELS_BYTES = 1024 * 1024  # nor a /v1/models list larger than this
 
 
 class MetricsScraper:
@@ -55,6 +57,52 @@ class MetricsScraper:
             log.info("%s answers again", self._url)
         self._was_healthy = sample.healthy
         return sample
+
+
+def context_length_from_models(body: bytes, model: str | None) -> int | None:
+    """The max_model_len vLLM's /v1/models lists for `model` (None: its first model), if it
+    lists a valid one."""
+    try:
+        listing = json.loads(body)
+    except ValueError:
+        return None
+    entries = listing.get("data") if isinstance(listing, dict) else None
+    for entry in entries if isinstance(entries, list) else ():
+        if isinstance(entry, dict) and (model is None or entry.get("id") == model):
+            return context_length(entry.get("max_model_len"))
+    return None
+
+
+class ContextLengthProbe:
+    """The server's context length, read from its /v1/models until known, and again after
+    the server was unreachable (it may have come back with another --max-model-len)."""
+
+    def __init__(self, url: str, model: str | None, timeout_s: float) -> None:
+        self._url = url
+        self._model = model
+        self._timeout = timeout_s
+        self._known: int | None = None
+        self._stale = True
+
+    def __call__(self, healthy: bool) -> int | None:
+        if not healthy:
+            self._stale = True
+        elif self._stale:
+            fetched = self._fetch()
+            if fetched is not None:
+                if fetched != self._known:
+                    log.info("%s: max_model_len %d", self._url, fetched)
+                self._known, self._stale = fetched, False
+        return self._known
+
+    def _fetch(self) -> int | None:
+        try:
+            with urllib.request.urlopen(self._url, timeout=self._timeout) as response:
+                body = response.read(MAX_MODELS_BYTES)
+        except (OSError, urllib.error.URLError, ValueError) as exc:
+            log.debug("%s: %s", self._url, exc)
+            return None
+        return context_length_from_models(body, self._model)
 
 
 def add_cli(commands: Any) -> None:
@@ -81,6 +129,11 @@ def add_cli(commands: Any) -> None:
     parser.add_argument("--kv-dtype")
     parser.add_argument("--kv-layout", choices=["NHD", "HND"])
     parser.add_argument("--mla", action="store_true", default=None)
+    parser.add_argument(
+        "--max-model-len",
+        type=_positive_int,
+        help="the server's context length (default: what its /v1/models says)",
+    )
     parser.add_argument("--metrics-url", help="default: http://HTTP_ADDRESS/metrics")
     parser.add_argument("--interval", type=_positive_float, default=DEFAULT_INTERVAL_S)
     parser.add_argument("--scrape-timeout", type=_positive_float, default=2.0)
@@ -101,6 +154,9 @@ def build_identity(args: argparse.Namespace) -> WorkerIdentity:
         except AddressError as exc:
             raise ValueError(f"--{name.replace('_', '-')}: {exc}") from None
     geometry = _geometry(args)
+    if args.max_model_len is not None and context_length(args.max_model_len) is None:
+        # The registry would refuse every announcement: say so now.
+        raise ValueError(f"--max-model-len {args.max_model_len} is beyond any real context")
     return WorkerIdentity(
         role=args.role,
         http_address=args.http_address,
@@ -108,6 +164,7 @@ def build_identity(args: argparse.Namespace) -> WorkerIdentity:
         model=args.model,
         connector=args.connector,
         geometry=geometry,
+        max_model_len=args.max_model_len,
     )
 
 
@@ -162,15 +219,8 @@ def run(args: argparse.Namespace) -> int:
     except ValueError as exc:
         print(f"pdproxy announce: {exc}", file=sys.stderr)
         return 2
-    metrics_url = args.metrics_url or f"http://{args.http_address}/metrics"
     client = RegistryClient(args.registry, identity=args.zmq_address)
-    announcer = Announcer(
-        client,
-        identity,
-        MetricsScraper(metrics_url, args.scrape_timeout),
-        args.interval,
-        secret=secret,
-    )
+    announcer = Announcer(client, identity, _sampler(args), args.interval, secret=secret)
 
     def stop(signum: int, _frame: FrameType | None) -> None:
         log.info("signal %d: leaving the registry", signum)
@@ -190,6 +240,26 @@ def run(args: argparse.Namespace) -> int:
     finally:
         client.close()
     return 0
+
+
+def _sampler(args: argparse.Namespace) -> Callable[[], LoadSample]:
+    """Each period: the load from /metrics, and the context length from /v1/models unless
+    --max-model-len gave it."""
+    scraper = MetricsScraper(
+        args.metrics_url or f"http://{args.http_address}/metrics", args.scrape_timeout
+    )
+    if args.max_model_len is not None:
+        return scraper
+    probe = ContextLengthProbe(
+        f"http://{args.http_address}/v1/models", args.model, args.scrape_timeout
+    )
+
+    def sample() -> LoadSample:
+        taken = scraper()
+        taken.max_model_len = probe(taken.healthy)
+        return taken
+
+    return sample
 
 
 def _positive_int(text: str) -> int:

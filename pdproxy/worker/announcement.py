@@ -10,7 +10,7 @@ from collections.abc import Sequence
 from dataclasses import asdict, dataclass
 from typing import Any, Literal
 
-from pdproxy.registry.messages import MAX_TP_SIZE, MAX_TRANSFERS
+from pdproxy.registry.messages import MAX_MODEL_LEN, MAX_TP_SIZE, MAX_TRANSFERS
 
 WorkerRole = Literal["P", "D"]
 TransferOutcome = Literal["ok", "timeout", "error", "missing", "dropped"]
@@ -53,6 +53,14 @@ class WorkerIdentity:
     model: str | None = None
     connector: str | None = None
     geometry: WorkerGeometry | None = None
+    max_model_len: int | None = None  # the context length the server runs the model with
+
+
+def context_length(value: object) -> int | None:
+    """`value` as an announced max_model_len, or None if the registry would refuse it."""
+    if isinstance(value, bool) or not isinstance(value, int) or not 1 <= value <= MAX_MODEL_LEN:
+        return None
+    return value
 
 
 def announce_message(
@@ -71,6 +79,8 @@ def announce_message(
         message["connector"] = identity.connector
     if identity.geometry is not None:
         message["geometry"] = identity.geometry.as_map()
+    if identity.max_model_len is not None:
+        message["max_model_len"] = identity.max_model_len
     if load is not None:
         message["load"] = load.as_map()
     if not healthy:

@@ -10,6 +10,7 @@ import logging
 import threading
 import time
 from collections.abc import Callable
+from dataclasses import replace
 from typing import Any
 
 from pdproxy.registry.auth import new_nonce, signed
@@ -27,14 +28,18 @@ DEFAULT_INTERVAL_S = 3.0  # what stock vLLM's P2pNcclEngine uses
 
 
 class LoadSample:
-    """What a load source reports each period: the load (None if unknown) and whether the
-    instance can serve at all."""
+    """What a load source reports each period: the load (None if unknown), whether the
+    instance can serve at all, and the context length it learned from the server, if any
+    (None: the identity's is announced)."""
 
-    __slots__ = ("healthy", "load")
+    __slots__ = ("healthy", "load", "max_model_len")
 
-    def __init__(self, load: WorkerLoad | None, healthy: bool = True) -> None:
+    def __init__(
+        self, load: WorkerLoad | None, healthy: bool = True, max_model_len: int | None = None
+    ) -> None:
         self.load = load
         self.healthy = healthy
+        self.max_model_len = max_model_len
 
 
 class Announcer:
@@ -64,7 +69,10 @@ class Announcer:
         except Exception as exc:  # a failing load source must not silence the announcements
             log.warning("pdproxy announcer: load source failed: %r", exc)
             sample = LoadSample(None, healthy=False)
-        message = announce_message(self._identity, sample.load, sample.healthy)
+        identity = self._identity
+        if sample.max_model_len is not None:
+            identity = replace(identity, max_model_len=sample.max_model_len)
+        message = announce_message(identity, sample.load, sample.healthy)
         return self._client.send(self._seal(message))
 
     def _seal(self, message: dict[str, Any]) -> dict[str, Any]:

@@ -30,7 +30,12 @@ from vllm.distributed.kv_transfer.kv_connector.v1.base import (
 )
 
 from pdproxy.pairing.geometry import KvGeometry, KvLayout
-from pdproxy.worker.announcement import TransferStat, WorkerGeometry, WorkerIdentity
+from pdproxy.worker.announcement import (
+    TransferStat,
+    WorkerGeometry,
+    WorkerIdentity,
+    context_length,
+)
 from pdproxy.worker.announcer import Announcer, LoadSample
 from pdproxy.worker.connector_settings import ConnectorSettings, connector_settings
 from pdproxy.worker.cpu_format import cpu_isa, format_for_isa
@@ -110,6 +115,7 @@ class PdproxyConnector(KVConnectorBase_V1):  # type: ignore[misc]
             model=_served_model_name(vllm_config),
             connector=settings.connector_kind,
             geometry=geometry_from_vllm_config(vllm_config),
+            max_model_len=_max_model_len(vllm_config),
         )
         self._record(
             "announcing",
@@ -375,6 +381,12 @@ def _served_model_name(vllm_config: Any) -> str:
     if isinstance(served, list | tuple) and served:
         return str(served[0])
     return str(served or model.model)
+
+
+def _max_model_len(vllm_config: Any) -> int | None:
+    """The context length vLLM runs the model with: the proxy refuses, before any prefill,
+    requests for more output tokens than that."""
+    return context_length(getattr(vllm_config.model_config, "max_model_len", None))
 
 
 def _kv_geometry(announced: WorkerGeometry) -> KvGeometry | None:

@@ -94,14 +94,16 @@ vllm:e2e_request_latency_seconds_sum{{{labels}}} 4.5
 
 
 class FakeVllmServer:
-    """GET /metrics answers whatever text the test set last; stop() closes the port (so the
-    sidecar's scrape is refused) and start() opens the same port again."""
+    """GET /metrics answers whatever text the test set last, GET /v1/models the model list it
+    set (404 until then); stop() closes the port (so the sidecar's scrape is refused) and
+    start() opens the same port again."""
 
     def __init__(self, port: int) -> None:
         self.port = port
         self._text = vllm_metrics(0, 0, 0.0)
         self._lock = threading.Lock()
         self.scrapes = 0
+        self.models: dict[str, Any] | None = None
         self._server: ThreadingHTTPServer | None = None
         self._thread: threading.Thread | None = None
 
@@ -123,10 +125,13 @@ class FakeVllmServer:
 
         class Handler(BaseHTTPRequestHandler):
             def do_GET(self) -> None:
-                if self.path != "/metrics":
+                if self.path == "/v1/models" and owner.models is not None:
+                    body = json.dumps(owner.models).encode()
+                elif self.path == "/metrics":
+                    body = owner._answer()
+                else:
                     self.send_error(404)
                     return
-                body = owner._answer()
                 self.send_response(200)
                 self.send_header("Content-Type", "text/plain; version=0.0.4; charset=utf-8")
                 self.send_header("Content-Length", str(len(body)))
@@ -373,6 +378,30 @@ def test_unreachable_server_is_listed_unhealthy_and_not_routed(
     # Routable again: the proxy now plans a pair and fails only on the static prefill, which
     # nothing serves in this test (a refused connect), instead of refusing for lack of a decode.
     assert completion_error_code(fleet) == (502, "prefill_connect")
+
+
+def test_the_context_length_is_learned_from_the_servers_models_list(
+    fleet_factory: FleetFactory,
+    vllm_server: FakeVllmServer,
+    announcers: Starter,
+    tmp_path: Path,
+) -> None:
+    # What vLLM 0.32's /v1/models lists: the served name with the context it runs.
+    card = {"id": MODEL, "object": "model", "root": "/models/tiny", "max_model_len": 256}
+    vllm_server.models = {"object": "list", "data": [card]}
+    fleet = start_proxy(fleet_factory)
+    sidecar = announcers(
+        *announce_args(fleet, vllm_server, write_model_config(tmp_path), free_port())
+    )
+    procs = [*fleet.processes(), sidecar]
+    body = {"model": MODEL, "prompt": "hi", "max_tokens": 257}
+    url = fleet.proxy_url + "/v1/completions"
+    # Until the announced decode is known and its context learned, the (unserved) static
+    # prefill is tried: 503, then 502. Once learned, the proxy refuses in vLLM's words.
+    wait_until(lambda: post_json(url, body).status == 400, WAIT, "the refusal", procs)
+    error = post_json(url, body).json()["error"]
+    assert error["param"] == "max_tokens" and "max_model_len=256" in error["message"]
+    assert post_json(url, dict(body, max_tokens=256)).status == 502  # within: legs are sent
 
 
 def test_sigterm_sends_leave_and_exits_zero(

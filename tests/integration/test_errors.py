@@ -227,10 +227,14 @@ def test_prefill_4xx_passes_through(fleet: LocalFleet) -> None:
 
 
 def test_decode_4xx_passes_through(fleet: LocalFleet) -> None:
-    # max_tokens beyond the context only fails on D: the prefill leg asks for one token.
-    answer = post_json(fleet.proxy_url + "/v1/completions", dict(GOOD, max_tokens=5000))
+    # stream_options without stream only fails on D: the prefill leg drops stream_options.
+    # (max_tokens beyond the context no longer gets that far: the proxy knows the context.)
+    body = dict(GOOD, stream=False, stream_options={"include_usage": True})
+    answer = post_json(fleet.proxy_url + "/v1/completions", body)
     assert answer.status == 400
     assert answer.json()["error"]["type"] == "BadRequestError"
+    assert answer.json()["error"]["param"] == "stream_options"
+    assert len(fleet.completion_requests("P")) == 1
 
 
 def test_upstream_error_body_is_vllms_own(fleet: LocalFleet) -> None:

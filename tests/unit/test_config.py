@@ -15,6 +15,8 @@ from pydantic import SecretStr
 from pdproxy.cli import build_parser
 from pdproxy.config import ENV_PREFIX, ConfigError, Settings, StaticInstance, load_settings
 from pdproxy.ids import Address
+from pdproxy.registry.messages import Role
+from pdproxy.registry.seeded import static_instances
 
 P1 = "http=10.0.0.1:8100,zmq=10.0.0.1:21001"
 P2 = "http=10.0.0.2:8100,zmq=10.0.0.2:21001,model=m"
@@ -570,3 +572,21 @@ def test_secrets_lose_the_newline_a_mounted_secret_file_ends_with() -> None:
     assert settings.registry_secret is not None and settings.admin_token is not None
     assert settings.registry_secret.get_secret_value() == "0123456789abcdef-test"
     assert settings.admin_token.get_secret_value() == "admin-token-1"
+
+
+def test_static_spec_may_declare_its_max_model_len(tmp_path: Path) -> None:
+    settings = load(["--decode", f"{D1},max_model_len=4096", "--prefill", P1])
+    assert settings.decode[0].max_model_len == 4096
+    assert settings.prefill[0].max_model_len is None
+    spec = "{http: '10.0.1.1:8200', zmq: '10.0.1.1:22001', max_model_len: 512}"
+    path = yaml_file(tmp_path, f"decode:\n  - {spec}\n")
+    assert load(["--config", path]).decode[0].max_model_len == 512
+    # The table the proxy starts with carries it.
+    (decode,) = [i for i in static_instances(settings) if i.role is Role.DECODE]
+    assert decode.max_model_len == 4096
+
+
+@pytest.mark.parametrize("value", ["0", "-1", "x", "1.5", "", str(2**32 + 1)])
+def test_bad_static_max_model_len(value: str) -> None:
+    message = config_error(["--decode", f"{D1},max_model_len={value}"])
+    assert "max_model_len" in message

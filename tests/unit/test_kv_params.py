@@ -5,7 +5,7 @@ from __future__ import annotations
 import pytest
 
 from pdproxy.ids import Address
-from pdproxy.proxy.kv_params import prefill_leg_params, prefill_params
+from pdproxy.proxy.kv_params import params_from_answer, prefill_leg_params, prefill_params
 from pdproxy.registry.messages import Connector, Geometry, Role
 from pdproxy.registry.table import Instance, Source
 
@@ -39,3 +39,12 @@ def test_nixl_asks_for_a_remote_decode() -> None:
 @pytest.mark.parametrize("connector", [Connector.P2P_NCCL, None])
 def test_push_by_id_connectors_get_nothing(connector: Connector | None) -> None:
     assert prefill_leg_params(connector, decode(Geometry(tp_size=2))) is None
+
+
+def test_answered_params_are_taken_only_if_the_decode_leg_can_carry_them() -> None:
+    assert params_from_answer(b'{"kv_transfer_params": {"remote_port": 5}}') == {"remote_port": 5}
+    for answer in (b"{}", b'{"kv_transfer_params": {}}', b'{"kv_transfer_params": 1}', b"[]"):
+        assert params_from_answer(answer) is None
+    # Readable (orjson reads 1024 levels) but not writable again: no usable params, not a 500.
+    deep = b'{"kv_transfer_params": {"x": ' + b"[" * 300 + b"]" * 300 + b"}}"
+    assert params_from_answer(deep) is None

@@ -13,6 +13,7 @@ from hypothesis import strategies as st
 
 from pdproxy.ids import Address, validate_host
 from pdproxy.registry.messages import (
+    MAX_MODEL_LEN,
     MAX_TP_SIZE,
     Announcement,
     Connector,
@@ -650,3 +651,32 @@ def test_valid_v1_round_trips(
         geometry=geometry,
         load=load,
     )
+
+
+# ---------------------------------------------------------------------------------------------
+# max_model_len: the context length an instance runs its model with (optional, v1 only)
+
+
+@pytest.mark.parametrize("value", [1, 512, 131072, MAX_MODEL_LEN])
+def test_v1_max_model_len(value: int) -> None:
+    message = decode_frame(frame(with_(V1_FULL, max_model_len=value)))
+    assert isinstance(message, Announcement)
+    assert message.max_model_len == value
+
+
+def test_max_model_len_absent_or_null_is_unknown_and_v0_never_has_one() -> None:
+    for payload in (V1_FULL, with_(V1_FULL, max_model_len=None)):
+        message = decode_frame(frame(payload))
+        assert isinstance(message, Announcement) and message.max_model_len is None
+    message = decode_frame(frame(with_(V0, max_model_len=4096)))
+    assert isinstance(message, Announcement) and message.max_model_len is None
+
+
+@pytest.mark.parametrize(
+    "value", [0, -1, MAX_MODEL_LEN + 1, 2**64 - 1, True, 4096.0, "4096", [4096], {"n": 1}]
+)
+def test_bad_max_model_len_is_refused(value: object) -> None:
+    with pytest.raises(Rejected) as info:
+        decode_frame(frame(with_(V1_MINIMAL, max_model_len=value)))
+    assert info.value.reason is Reason.WRONG_TYPE
+    assert "max_model_len" in info.value.detail

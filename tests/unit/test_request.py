@@ -12,7 +12,13 @@ from hypothesis import given, settings
 from hypothesis import strategies as st
 
 from pdproxy.proxy.errors import ProxyError
-from pdproxy.proxy.request import CompletionRequest, parse_completion
+from pdproxy.proxy.request import (
+    BYTES_PER_VALUE,
+    MAX_DEPTH,
+    CompletionRequest,
+    max_values,
+    parse_completion,
+)
 
 # Deterministic and load-tolerant: same examples every run, no deadline, no example database.
 PROFILE = settings(derandomize=True, database=None, deadline=None)
@@ -347,3 +353,189 @@ def test_prefill_body_property(extra: dict[str, Any], model: str) -> None:
     for key in payload.keys() - CHANGED:
         assert orjson.dumps(out[key]) == orjson.dumps(request.payload[key]), key
     assert out.keys() - CHANGED == payload.keys() - CHANGED
+
+
+# ---------------------------------------------------------------------------------------------
+# bodies pdproxy cannot carry: too deep to write back, too many values to hold
+
+
+def nested(depth: int, inner: object = 0) -> object:
+    """`inner` inside depth - 1 arrays, as the value of a request's field: the request's
+    object is the depth-th level."""
+    value = inner
+    for _ in range(depth - 1):
+        value = [value]
+    return value
+
+
+def test_orjson_writes_exactly_max_depth_levels() -> None:
+    # The bound parse_completion enforces is orjson's own: a new orjson that moved it fails here.
+    orjson.dumps(nested(MAX_DEPTH + 1))  # MAX_DEPTH arrays
+    with pytest.raises(orjson.JSONEncodeError):
+        orjson.dumps(nested(MAX_DEPTH + 2))
+
+
+@pytest.mark.parametrize("path", [CHAT, COMPLETIONS])
+def test_nesting_to_the_limit_is_accepted_and_forwarded(path: str) -> None:
+    body = orjson.dumps({"model": "m", "extra": nested(MAX_DEPTH)})
+    request = parse_completion(path, body)
+    assert orjson.loads(request.prefill_body())["extra"] == nested(MAX_DEPTH)
+    assert orjson.loads(request.decode_body({"a": 1}))["extra"] == nested(MAX_DEPTH)
+
+
+@pytest.mark.parametrize("depth", [MAX_DEPTH + 1, 500, 1024])
+def test_nesting_deeper_than_pdproxy_can_write_is_400(depth: int) -> None:
+    body = b'{"model": "m", "extra": ' + b"[" * (depth - 1) + b"]" * (depth - 1) + b"}"
+    exc = error(body)
+    assert exc.code == "too_deep"
+    assert exc.message == (
+        f"request body nests JSON deeper than {MAX_DEPTH} levels, which pdproxy cannot forward"
+    )
+    assert json.loads(exc.body())["error"]["type"] == "invalid_request_error"
+
+
+def test_nesting_deeper_than_orjson_reads_is_invalid_json() -> None:
+    exc = error(b'{"model": "m", "extra": ' + b"[" * 1100 + b"]" * 1100 + b"}")
+    assert exc.code == "invalid_json"
+
+
+def test_many_brackets_in_strings_are_not_nesting() -> None:
+    body = orjson.dumps({"model": "m", "prompt": "[{" * 5000, "n": [[[1]]]})
+    assert parse_completion(COMPLETIONS, body).payload["prompt"] == "[{" * 5000
+
+
+def test_max_values_is_one_per_sixteen_bytes_of_the_body_limit() -> None:
+    assert max_values(32 * 1024 * 1024) == 2 * 1024 * 1024
+    assert max_values(1024) == 64
+    assert BYTES_PER_VALUE == 16
+
+
+def test_values_are_counted_from_the_body_before_parsing() -> None:
+    ids = list(range(200))
+    body = orjson.dumps({"model": "m", "prompt": ids, "max_tokens": 5, "stream": False})
+    # 209 values: the object, 4 keys, 4 values, 200 ids; one '{', one '[', 4 ':', 3 + 199 ','.
+    assert sum(body.count(mark) for mark in (b"{", b"[", b":", b",")) == 208
+    assert parse_completion(COMPLETIONS, body, value_limit=209).payload["prompt"] == ids
+    with pytest.raises(ProxyError) as caught:
+        parse_completion(COMPLETIONS, body, value_limit=208)
+    assert caught.value.status == 413
+    assert caught.value.code == "too_many_values"
+    assert caught.value.message.startswith("request body holds more than 208 JSON values")
+    # Not parsed: invalid JSON past the limit is still a 413.
+    with pytest.raises(ProxyError) as caught:
+        parse_completion(COMPLETIONS, b"[" * 300, value_limit=205)
+    assert caught.value.status == 413
+
+
+def test_a_body_no_longer_than_the_value_limit_is_not_counted() -> None:
+    body = orjson.dumps({"model": "m", "prompt": ",,,,,,,,,,"})  # 12 marks, 33 bytes
+    assert parse_completion(COMPLETIONS, body, value_limit=len(body)).model == "m"
+
+
+# ---------------------------------------------------------------------------------------------
+# vllm_xargs.kv_transfer_params: vLLM copies vllm_xargs where connectors read kv_transfer_params
+
+
+@pytest.mark.parametrize("value", [{"do_remote_prefill": True}, "x", 1, None, []])
+@pytest.mark.parametrize("path", [CHAT, COMPLETIONS])
+def test_clients_may_not_send_kv_transfer_params_in_vllm_xargs(path: str, value: object) -> None:
+    body = orjson.dumps({"model": "m", "vllm_xargs": {"a": 1, "kv_transfer_params": value}})
+    with pytest.raises(ProxyError) as caught:
+        parse_completion(path, body)
+    assert caught.value.status == 400
+    assert caught.value.param == "vllm_xargs.kv_transfer_params"
+    assert caught.value.message == (
+        "'vllm_xargs.kv_transfer_params' is set by pdproxy, not by clients"
+    )
+
+
+@pytest.mark.parametrize("xargs", [{"my_extension": "on", "n": [1, 2]}, "not a map", None, [1]])
+def test_other_vllm_xargs_pass(xargs: object) -> None:
+    body = orjson.dumps({"model": "m", "vllm_xargs": xargs})
+    assert parse_completion(CHAT, body).payload["vllm_xargs"] == xargs
+
+
+def test_an_escaped_key_is_the_same_key() -> None:
+    body = b'{"model": "m", "vllm_xargs": {"kv_transfer\\u005fparams": 1}}'
+    with pytest.raises(ProxyError):
+        parse_completion(CHAT, body)
+    with pytest.raises(ProxyError):
+        parse_completion(CHAT, b'{"model": "m", "kv\\u005ftransfer_params": {}}')
+
+
+# ---------------------------------------------------------------------------------------------
+# decode_body with kv_transfer_params: the client's bytes and one more field
+
+
+@pytest.mark.parametrize(
+    "body",
+    [
+        b'{"model":"m","prompt":"hi"}',
+        b' { "model" : "m", "n": 1.50, "big": 18446744073709551615 }\r\n\t ',
+        b'{"model": "m", "messages": [{"role": "user", "content": "}"}]}\n',
+    ],
+)
+def test_decode_body_adds_the_field_to_the_clients_bytes(body: bytes) -> None:
+    request = parse_completion(CHAT, body)
+    params = {"remote_host": "10.0.0.5", "remote_block_ids": [1, 2]}
+    out = request.decode_body(params)
+    assert out.startswith(body.rstrip()[:-1])  # nothing of the client's request rewritten
+    assert orjson.loads(out) == {**request.payload, "kv_transfer_params": params}
+    assert json.loads(out) == {**json.loads(body), "kv_transfer_params": params}
+
+
+# ---------------------------------------------------------------------------------------------
+# context_refusal: what vLLM 0.32 answers a request for more output tokens than the context
+
+
+def refusal(payload: dict[str, Any], path: str, max_model_len: int = 512) -> Any:
+    body = parse_completion(path, orjson.dumps({"model": "m", **payload})).context_refusal(
+        max_model_len
+    )
+    return None if body is None else orjson.loads(body)
+
+
+def test_context_refusal_is_vllms_own_answer() -> None:
+    assert refusal({"prompt": "hi", "max_tokens": 513}, COMPLETIONS) == {
+        "error": {
+            "message": "max_tokens=513 cannot be greater than max_model_len=512. Please request "
+            "fewer output tokens. (parameter=max_tokens, value=513)",
+            "type": "BadRequestError",
+            "param": "max_tokens",
+            "code": 400,
+        }
+    }
+
+
+@pytest.mark.parametrize(
+    ("path", "payload", "param"),
+    [
+        (COMPLETIONS, {"max_tokens": 513}, "max_tokens"),
+        (COMPLETIONS, {"max_tokens": 512}, None),  # vLLM 0.32 cuts the output to fit
+        (COMPLETIONS, {"max_tokens": 2**64 - 1}, "max_tokens"),
+        (COMPLETIONS, {}, None),  # the default, 16
+        (COMPLETIONS, {"max_tokens": None}, None),
+        (COMPLETIONS, {"max_completion_tokens": 9999}, None),  # not a completions field
+        (CHAT, {"max_tokens": 513}, "max_tokens"),
+        (CHAT, {"max_completion_tokens": 513, "max_tokens": 1}, "max_completion_tokens"),
+        (CHAT, {"max_completion_tokens": 1, "max_tokens": 9999}, None),  # it wins
+        (CHAT, {"max_completion_tokens": None, "max_tokens": 513}, "max_tokens"),
+        (CHAT, {}, None),  # chat has no default: until the context is full
+        # Only JSON integers are judged here; vLLM judges the rest itself.
+        (CHAT, {"max_tokens": True}, None),
+        (CHAT, {"max_tokens": 600.0}, None),
+        (CHAT, {"max_tokens": "600"}, None),
+        (CHAT, {"max_tokens": -1}, None),
+    ],
+)
+def test_context_refusal_cases(path: str, payload: dict[str, Any], param: str | None) -> None:
+    answer = refusal(payload, path)
+    assert (None if answer is None else answer["error"]["param"]) == param
+
+
+def test_completions_default_counts_against_a_tiny_context() -> None:
+    answer = refusal({"prompt": "x"}, COMPLETIONS, max_model_len=8)
+    assert (
+        answer is not None
+        and "max_tokens=16 cannot be greater than max_model_len=8" in (answer["error"]["message"])
+    )

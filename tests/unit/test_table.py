@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import dataclasses
 import math
 
 import pytest
@@ -764,3 +765,29 @@ def test_adopting_a_change_builds_a_new_snapshot() -> None:
     assert after.version > before.version
     assert after.prefills[0].load == Load(running=7) and after.decodes == ()
     assert copy.count(Role.DECODE) == 0 and copy.get(http(2)) is None
+
+
+# ---------------------------------------------------------------------------------------------
+# max_model_len
+
+
+def test_the_announced_max_model_len_is_the_instances_and_a_change_updates() -> None:
+    t = table()
+    announced = dataclasses.replace(v1(1), max_model_len=4096)
+    assert instance_from(announced).max_model_len == 4096
+    t.announce(announced, now=0.0)
+    assert t.snapshot().prefills[0].max_model_len == 4096
+    change, instance = t.announce(dataclasses.replace(announced, max_model_len=8192), now=1.0)
+    assert change is Change.UPDATED and instance.max_model_len == 8192
+    # A stock vLLM v0 ping beside the v1 announcer keeps what v1 said.
+    assert t.announce(v0(1), now=2.0)[1].max_model_len == 8192
+
+
+def test_a_static_max_model_len_is_the_operators_word() -> None:
+    t = table()
+    t.add_static(dataclasses.replace(static(1, model="m"), max_model_len=2048), now=0.0)
+    announced = dataclasses.replace(v1(1), max_model_len=4096)
+    assert t.announce(announced, now=1.0)[1].max_model_len == 2048
+    t.add_static(static(2, model="m"), now=0.0)  # none configured: the announced one
+    announced = dataclasses.replace(v1(2), max_model_len=4096)
+    assert t.announce(announced, now=1.0)[1].max_model_len == 4096

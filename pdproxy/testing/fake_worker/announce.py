@@ -42,6 +42,7 @@ def announce_message(cfg: WorkerConfig, op: str, load: WorkerLoad) -> dict[str, 
         model=cfg.model,
         connector=cfg.connector,
         geometry=WorkerGeometry(**asdict(cfg.geometry)),
+        max_model_len=cfg.max_model_len,
     )
     if cfg.announce == "v0":
         return v0_message(identity)  # byte-for-byte what stock vLLM's P2pNcclEngine sends

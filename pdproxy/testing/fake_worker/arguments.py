@@ -130,7 +130,8 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
         "--max-model-len",
         type=positive_int,
         default=4096,
-        help="context length: prompt tokens + max_tokens may not exceed it (default: %(default)s)",
+        help="context length, announced: max_tokens may not exceed it, a prompt may not exceed it, "
+        "the output is cut to what it leaves (vLLM 0.32; default: %(default)s)",
     )
     add(
         "--kv-capacity-tokens",

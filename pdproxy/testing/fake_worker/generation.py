@@ -125,16 +125,39 @@ def parse_stream(body: dict[str, Any]) -> tuple[bool, bool]:
     return True, bool(options.get("include_usage"))
 
 
-def check_context_length(prompts: tuple[Prompt, ...], max_tokens: int, max_model_len: int) -> None:
+def check_output_limit(limit: int | None, param: str, max_model_len: int) -> None:
+    """vLLM 0.32 (renderers/params.py): more output tokens than the context holds is refused,
+    whatever the prompt."""
+    if limit is not None and limit > max_model_len:
+        raise ApiError(
+            400,
+            f"{param}={limit} cannot be greater than max_model_len={max_model_len}. Please "
+            f"request fewer output tokens. (parameter={param}, value={limit})",
+            param,
+        )
+
+
+def fit_context(prompts: tuple[Prompt, ...], max_tokens: int, max_model_len: int) -> int:
+    """vLLM 0.32: a prompt longer than the context is refused; otherwise the output is cut to
+    what the context leaves (get_max_tokens; for the longest prompt of a batch here)."""
     for prompt in prompts:
-        total = prompt.tokens + max_tokens
-        if total > max_model_len:
+        if prompt.tokens > max_model_len:
             raise ApiError(
                 400,
-                f"This model's maximum context length is {max_model_len} tokens. However, you "
-                f"requested {total} tokens ({prompt.tokens} in the messages, {max_tokens} in the "
-                "completion). Please reduce the length of the messages or completion.",
+                f"This model's maximum context length is {max_model_len} tokens. However, your "
+                f"prompt contains {prompt.tokens} input tokens, which exceeds this limit even "
+                "without any output tokens. Please reduce the length of the input prompt. "
+                f"(parameter=input_tokens, value={prompt.tokens})",
+                "input_tokens",
             )
+    room = max_model_len - max(prompt.tokens for prompt in prompts)
+    if room < 1:
+        raise ApiError(
+            400,
+            f"max_tokens must be at least 1, got {room}. (parameter=max_tokens, value={room})",
+            "max_tokens",
+        )
+    return min(max_tokens, room)
 
 
 def parse_generation(body: dict[str, Any], chat: bool, max_model_len: int) -> Generation:
@@ -143,15 +166,21 @@ def parse_generation(body: dict[str, Any], chat: bool, max_model_len: int) -> Ge
         completion_max = parse_max_tokens(body, "max_completion_tokens")
         legacy_max = parse_max_tokens(body, "max_tokens")
         max_tokens = completion_max if completion_max is not None else legacy_max
+        param = "max_completion_tokens" if completion_max is not None else "max_tokens"
+        limit = max_tokens
         prompts: tuple[Prompt, ...] = (parse_messages(body.get("messages")),)
     else:
         max_tokens = parse_max_tokens(body, "max_tokens")
+        # vLLM's completions default of 16 counts against the context too (null does not).
+        param = "max_tokens"
+        limit = max_tokens if "max_tokens" in body else DEFAULT_MAX_TOKENS
         prompts = parse_prompts(body.get("prompt"))
     check_sampling(body)
     stream, include_usage = parse_stream(body)
+    check_output_limit(limit, param, max_model_len)
     if max_tokens is None:
         max_tokens = DEFAULT_MAX_TOKENS
-    check_context_length(prompts, max_tokens, max_model_len)
+    max_tokens = fit_context(prompts, max_tokens, max_model_len)
     return Generation(chat, prompts, max_tokens, stream, include_usage)
 
 
