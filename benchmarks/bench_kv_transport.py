@@ -3,7 +3,7 @@
 Issue 7, "Performance": the transfer throughput of the connector's TCP transport for KV of 1, 16,
 256 and 2,048 blocks, in MB/s and time per request, against the loopback limit measured with a
 plain socket copy of the same bytes between two processes. Goal: at least 70% of that limit for
-large transfers. It measures `pdproxy.worker.kv_tcp` (plain TCP, receive memory reused from a
+large transfers. It measures `pdproxy.vllm_side.kv_tcp` (plain TCP, receive memory reused from a
 pool), the connector's transport.
 
 Two child processes, a prefill rank ("sender") and a decode rank ("receiver"), each this script
@@ -140,7 +140,7 @@ class Channel:
 
 
 def _transfer_key(uid: str, decode_port: int) -> Any:
-    from pdproxy.worker.kv_keys import transfer_key
+    from pdproxy.vllm_side.kv_keys import transfer_key
 
     key = transfer_key(
         f"cmpl-___prefill_addr_{LOOPBACK}:1___decode_addr_{LOOPBACK}:{decode_port}_{uid}-0-abcdef01"
@@ -218,15 +218,15 @@ def _filled_buffer(size: int) -> bytearray:
 
 def apply_tuning(settings: Sequence[str]) -> None:
     """Experiments only: `--tune kv_tcp._BATCH_FRAMES=1` sets a constant of a module of
-    pdproxy.worker in this child before anything runs."""
+    pdproxy.vllm_side in this child before anything runs."""
     import importlib
 
     for setting in settings:
         target, _, value = setting.partition("=")
         module_name, _, name = target.rpartition(".")
-        module = importlib.import_module(f"pdproxy.worker.{module_name}")
+        module = importlib.import_module(f"pdproxy.vllm_side.{module_name}")
         if not hasattr(module, name):
-            raise BenchError(f"--tune: pdproxy.worker.{module_name} has no {name}")
+            raise BenchError(f"--tune: pdproxy.vllm_side.{module_name} has no {name}")
         setattr(module, name, int(value, 0))
 
 
@@ -252,11 +252,11 @@ def run_sender(args: argparse.Namespace) -> None:
     import torch
 
     from pdproxy.pairing.geometry import KvGeometry, KvLayout
-    from pdproxy.worker.kv import CacheFormat
-    from pdproxy.worker.kv_schedule import SendSpec
-    from pdproxy.worker.kv_tcp import TcpSender
-    from pdproxy.worker.kv_wire import LayerHeader
-    from pdproxy.worker.kv_worker import ProducerWorker, TransferRecord
+    from pdproxy.vllm_side.kv import CacheFormat
+    from pdproxy.vllm_side.kv_schedule import SendSpec
+    from pdproxy.vllm_side.kv_tcp import TcpSender
+    from pdproxy.vllm_side.kv_wire import LayerHeader
+    from pdproxy.vllm_side.kv_worker import ProducerWorker, TransferRecord
 
     apply_tuning(args.tune)
     start_gil_load(args.gil_busy_ms, args.gil_idle_ms)
@@ -378,12 +378,12 @@ def run_receiver(args: argparse.Namespace) -> None:
     import torch
 
     from pdproxy.testing.processes import free_port
-    from pdproxy.worker.kv import CacheFormat, gather_kv, wire_to_bytes
-    from pdproxy.worker.kv_buffer import Loss, Payload, TransferBuffer
-    from pdproxy.worker.kv_schedule import LoadSpec
-    from pdproxy.worker.kv_tcp import TcpReceiver
-    from pdproxy.worker.kv_wire import LayerHeader
-    from pdproxy.worker.kv_worker import ConsumerWorker, TransferRecord
+    from pdproxy.vllm_side.kv import CacheFormat, gather_kv, wire_to_bytes
+    from pdproxy.vllm_side.kv_buffer import Loss, Payload, TransferBuffer
+    from pdproxy.vllm_side.kv_schedule import LoadSpec
+    from pdproxy.vllm_side.kv_tcp import TcpReceiver
+    from pdproxy.vllm_side.kv_wire import LayerHeader
+    from pdproxy.vllm_side.kv_worker import ConsumerWorker, TransferRecord
 
     apply_tuning(args.tune)
     start_gil_load(args.gil_busy_ms, args.gil_idle_ms)

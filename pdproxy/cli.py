@@ -11,7 +11,7 @@ from pdproxy import __version__
 from pdproxy.compiled import build_description
 from pdproxy.config import ConfigError, Settings, add_settings_arguments, load_settings
 from pdproxy.logs import configure_logging
-from pdproxy.proxy.tracing import TracingUnavailable, check_available
+from pdproxy.tracing.spans import TracingUnavailable, check_available
 
 
 def serve(settings: Settings) -> int:
@@ -28,7 +28,7 @@ def serve(settings: Settings) -> int:
         return 2
     if settings.workers > 1:
         # The supervisor stays small: the web stack is imported by the workers only.
-        from pdproxy.multiprocess.supervisor import serve_workers
+        from pdproxy.multiworker.supervisor import serve_workers
 
         return serve_workers(settings)
     from pdproxy.proxy.app import PdproxyApp
@@ -69,7 +69,7 @@ def _run_serve(args: argparse.Namespace) -> int:
 
 def build_parser() -> argparse.ArgumentParser:
     from pdproxy.testing import demo, fake_worker
-    from pdproxy.worker import announce
+    from pdproxy.vllm_side import announce
 
     parser = argparse.ArgumentParser(
         prog="pdproxy",

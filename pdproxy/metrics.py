@@ -28,7 +28,7 @@ from prometheus_client.multiprocess import MultiProcessCollector
 from prometheus_client.registry import Collector
 
 from pdproxy.local_metrics import LocalCounter, LocalGauge, LocalHistogram
-from pdproxy.multiprocess.paths import METRICS_DIR_VARIABLE
+from pdproxy.multiworker.paths import METRICS_DIR_VARIABLE
 from pdproxy.pairing.planner import Unpaired
 from pdproxy.registry.kv_stats import COUNTED_OUTCOMES, TransferRecord
 from pdproxy.registry.messages import Reason, Role, TransferOutcome

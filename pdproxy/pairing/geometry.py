@@ -24,11 +24,11 @@ Each rule mirrors vLLM (files read: `vllm/distributed/kv_transfer/kv_connector/u
   refuses any tensor whose shape differs but for the token axis ("only symmetric TP is
   supported", `check_tensors_except_dim`): same TP, block size, heads, head_dim, dtype,
   layout, layers.
-- pdproxy (pdproxy.worker.connector): what that connector does. Its wire is token-major and
+- pdproxy (pdproxy.vllm_side.connector): what that connector does. Its wire is token-major and
   each side reads and writes its own blocks through their logical axes, so layouts may differ
   and the decode's block size may be any multiple of the prefill's. TP sizes may differ when
   one divides the other: the proxy tells the prefill the decode's TP (pdproxy.proxy.kv_params)
-  and each prefill rank sends every decode rank the heads it holds (pdproxy.worker.kv
+  and each prefill rank sends every decode rank the heads it holds (pdproxy.vllm_side.kv
   `plan_reads`; replicated heads are sent once, from the first rank holding them).
 - nixl:
   * same model, layers, total KV heads, head_dim, KV dtype and attention kind: the factors of

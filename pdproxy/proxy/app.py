@@ -18,28 +18,28 @@ from typing import Any
 from fastapi import FastAPI
 
 from pdproxy.config import Settings
+from pdproxy.http.alarms import Alarms
+from pdproxy.http.upstream import Upstream
 from pdproxy.metrics import Metrics
-from pdproxy.multiprocess.paths import SharedPaths
+from pdproxy.multiworker.paths import SharedPaths
+from pdproxy.multiworker.registry_link import LocalRegistry, RegistryCopy, RegistryLink
 from pdproxy.pairing.planner import Planner
 from pdproxy.pairing.policies import make_policy
 from pdproxy.proxy.admission import Admission
-from pdproxy.proxy.alarms import Alarms
 from pdproxy.proxy.completions import CompletionsEndpoint
 from pdproxy.proxy.credentials import Credentials
 from pdproxy.proxy.dispatch import Dispatcher
 from pdproxy.proxy.entry import COMPLETION_PATHS, Entry
 from pdproxy.proxy.exchange import Scope
 from pdproxy.proxy.prober import HealthProber
-from pdproxy.proxy.random_ids import RandomHex
-from pdproxy.proxy.registry_link import LocalRegistry, RegistryCopy, RegistryLink
 from pdproxy.proxy.rotation import Rotation
 from pdproxy.proxy.routes import install_routes
-from pdproxy.proxy.tracing import Tracing, build_tracing
-from pdproxy.proxy.upstream import Upstream
 from pdproxy.registry.seeded import seeded_table
 from pdproxy.registry.server import RegistryServer
 from pdproxy.registry.table import RegistryTable
 from pdproxy.reliability.outlier import OutlierDetector, OutlierPolicy
+from pdproxy.tracing.random_ids import RandomHex
+from pdproxy.tracing.spans import Tracing, build_tracing
 
 log = logging.getLogger("pdproxy")
 

@@ -14,11 +14,11 @@ import time
 from typing import Any
 
 from pdproxy.config import Settings
+from pdproxy.http.alarms import Alarms
+from pdproxy.http.deadline import Deadline
 from pdproxy.logs import ACCESS_LOGGER, FIELDS
 from pdproxy.metrics import Metrics
 from pdproxy.proxy.admission import Admission
-from pdproxy.proxy.alarms import Alarms
-from pdproxy.proxy.deadline import Deadline
 from pdproxy.proxy.dispatch import Dispatcher
 from pdproxy.proxy.errors import ProxyError
 from pdproxy.proxy.exchange import ClientGone, ClientHeaders, Exchange, Scope

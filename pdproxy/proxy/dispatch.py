@@ -22,12 +22,13 @@ from types import TracebackType
 from typing import Any
 
 from pdproxy.config import Settings
+from pdproxy.http.alarms import Alarms
+from pdproxy.http.deadline import Deadline
+from pdproxy.http.upstream import Reply, Upstream, UpstreamError
 from pdproxy.ids import build_request_id
 from pdproxy.metrics import DECODE, DECODE_REFUSED, PREFILL, Metrics
 from pdproxy.pairing.features import RequestFeatures
 from pdproxy.pairing.planner import Direct, Pair
-from pdproxy.proxy.alarms import Alarms
-from pdproxy.proxy.deadline import Deadline
 from pdproxy.proxy.errors import ProxyError
 from pdproxy.proxy.exchange import ClientHeaders, Exchange
 from pdproxy.proxy.kv_params import (
@@ -37,16 +38,15 @@ from pdproxy.proxy.kv_params import (
     uses_params,
 )
 from pdproxy.proxy.prompt import request_features
-from pdproxy.proxy.random_ids import RandomHex
 from pdproxy.proxy.request import CompletionRequest
 from pdproxy.proxy.rotation import Rotation
 from pdproxy.proxy.side_by_side import decode_beside_prefill
-from pdproxy.proxy.trace_context import trace_context
-from pdproxy.proxy.tracing import RequestTrace, Tracing
-from pdproxy.proxy.upstream import Reply, Upstream, UpstreamError
 from pdproxy.registry.table import Instance
 from pdproxy.reliability.backoff import RetryPolicy
 from pdproxy.reliability.failures import counts_against_instance, is_retryable
+from pdproxy.tracing.context import trace_context
+from pdproxy.tracing.random_ids import RandomHex
+from pdproxy.tracing.spans import RequestTrace, Tracing
 
 log = logging.getLogger("pdproxy.dispatch")
 

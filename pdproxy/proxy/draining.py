@@ -25,8 +25,8 @@ from typing import Protocol
 import uvicorn
 
 from pdproxy.config import Settings
+from pdproxy.http.server_protocol import HttpProtocol
 from pdproxy.proxy.entry import Asgi
-from pdproxy.proxy.http_protocol import HttpProtocol
 
 log = logging.getLogger("pdproxy")
 

@@ -13,8 +13,8 @@ import contextlib
 from dataclasses import dataclass
 from typing import Any
 
+from pdproxy.http.server_protocol import DISCONNECT_HOOK
 from pdproxy.proxy.errors import ProxyError, error_body
-from pdproxy.proxy.http_protocol import DISCONNECT_HOOK
 
 Scope = dict[str, Any]
 Message = dict[str, Any]

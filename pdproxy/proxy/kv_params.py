@@ -7,7 +7,7 @@ unchanged, to the decode instance, which reads the KV from there. Connectors usi
 
 pdproxy's own connector pushes KV from the prefill to the decode named in the tag, so it needs
 no answer back, but its prefill must know how the decode splits heads: the prefill leg tells it
-the decode's TP size (`{"pdproxy": {"decode_tp_size": N}}`; pdproxy.worker.kv_schedule reads
+the decode's TP size (`{"pdproxy": {"decode_tp_size": N}}`; pdproxy.vllm_side.kv_schedule reads
 it). Clients may not send kv_transfer_params, so only the proxy's pairing decides this.
 """
 

@@ -11,8 +11,8 @@ import contextlib
 import logging
 from collections.abc import Callable
 
+from pdproxy.http.upstream import Upstream, UpstreamError
 from pdproxy.metrics import Metrics
-from pdproxy.proxy.upstream import Upstream, UpstreamError
 from pdproxy.registry.messages import Role
 from pdproxy.registry.table import Instance, RegistryTable
 from pdproxy.reliability.outlier import OutlierDetector

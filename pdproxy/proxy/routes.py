@@ -14,17 +14,17 @@ from fastapi.responses import Response
 from pydantic import BaseModel, ConfigDict, Field, ValidationError
 from starlette.exceptions import HTTPException as StarletteHTTPException
 
+from pdproxy.http.upstream import UpstreamError
 from pdproxy.ids import Address, AddressError, parse_address
 from pdproxy.metrics import CONTENT_TYPE
+from pdproxy.multiworker.fleet_control import ControlUnavailable
+from pdproxy.multiworker.shared_state import ControlReply, ControlRequest, Operation
 from pdproxy.pairing.listing import pairs_report
 from pdproxy.pairing.planner import readiness
 from pdproxy.proxy.errors import error_body
-from pdproxy.proxy.fleet_control import ControlUnavailable
 from pdproxy.proxy.openapi import openapi_document
-from pdproxy.proxy.upstream import UpstreamError
 from pdproxy.registry.auth import address_allowed, parse_cidrs
 from pdproxy.registry.messages import Role
-from pdproxy.registry.shared_state import ControlReply, ControlRequest, Operation
 from pdproxy.registry.table import Entry, Instance, Source
 
 if TYPE_CHECKING:

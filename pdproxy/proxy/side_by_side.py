@@ -18,7 +18,7 @@ import logging
 from collections.abc import Callable, Coroutine
 from typing import Any
 
-from pdproxy.proxy.upstream import Reply
+from pdproxy.http.upstream import Reply
 
 log = logging.getLogger("pdproxy.dispatch")
 

@@ -6,9 +6,9 @@ from __future__ import annotations
 import logging
 
 from pdproxy.ids import Address
+from pdproxy.multiworker.shared_state import AdminState, ControlRequest, Operation
 from pdproxy.registry.messages import Rejected
 from pdproxy.registry.server import RegistryServer
-from pdproxy.registry.shared_state import AdminState, ControlRequest, Operation
 from pdproxy.registry.table import Instance, RegistryTable
 
 log = logging.getLogger("pdproxy.registry")

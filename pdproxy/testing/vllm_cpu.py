@@ -26,7 +26,7 @@ import pdproxy
 from pdproxy.testing import tiny_model
 from pdproxy.testing.processes import LOOPBACK, ManagedProcess, http_get, wait_until
 from pdproxy.testing.vllm_env import VllmEnv
-from pdproxy.worker.request_log import read_request_log
+from pdproxy.vllm_side.request_log import read_request_log
 
 MODEL_NAME = "tiny-llama"
 READY_TIMEOUT_S = 240.0  # measured 24-33 s alone; two starting side by side share 2 cores
@@ -119,7 +119,7 @@ class VllmServer:
         extra |= self.connector_extra
         return {
             "kv_connector": "PdproxyConnector",
-            "kv_connector_module_path": "pdproxy.worker.connector",
+            "kv_connector_module_path": "pdproxy.vllm_side.connector",
             "kv_role": self.kv_role,
             "kv_port": self.kv_port,
             "kv_connector_extra_config": extra,

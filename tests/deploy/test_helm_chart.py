@@ -24,9 +24,9 @@ from pdproxy.proxy.draining import FINAL_GRACE_SECONDS
 from pdproxy.proxy.entry import COMPLETION_PATHS
 from pdproxy.registry.auth import Verifier, new_nonce, signed
 from pdproxy.testing.processes import http_get
-from pdproxy.worker.announce import registry_secret
-from pdproxy.worker.connector_settings import connector_settings
-from pdproxy.worker.secret import SECRET_ENV, read_secret_file
+from pdproxy.vllm_side.announce import registry_secret
+from pdproxy.vllm_side.connector_settings import connector_settings
+from pdproxy.vllm_side.secret import SECRET_ENV, read_secret_file
 from tests.deploy.support import (
     CHART,
     CONFIG_FILE_KEY,
@@ -802,7 +802,7 @@ def test_fleet_announces_to_the_registry_service(name: str, tmp_path: Path) -> N
         # P2pNcclConnector (which reads it, in the releases that ship it).
         common = {"kv_connector", "kv_role", "kv_port", "kv_connector_extra_config"}
         if kv["kv_connector"] == "PdproxyConnector":
-            assert kv["kv_connector_module_path"] == "pdproxy.worker.connector"
+            assert kv["kv_connector_module_path"] == "pdproxy.vllm_side.connector"
             assert set(kv) == common | {"kv_connector_module_path"}
             # What pdproxy's connector makes of it, with the pod IP the kubelet substitutes.
             ip = "10.1.2.3"

@@ -1,4 +1,4 @@
-"""Serving pdproxy's HTTP protocol (pdproxy/proxy/http_protocol.py) to raw sockets, for the
+"""Serving pdproxy's HTTP protocol (pdproxy/http/server_protocol.py) to raw sockets, for the
 tests that check it byte by byte (test_http_protocol.py, test_http_conformance.py).
 
 An ASGI application is served by the protocol on an event loop in a thread of the test
@@ -22,7 +22,7 @@ import uvloop
 from uvicorn.config import Config
 from uvicorn.server import ServerState
 
-from pdproxy.proxy.http_protocol import HttpProtocol
+from pdproxy.http.server_protocol import HttpProtocol
 
 HOST = "127.0.0.1"
 DATE = b"Wed, 25 Nov 2026 12:00:00 GMT"

@@ -1,4 +1,4 @@
-"""HTTP/1.1 conformance of pdproxy's own server protocol (pdproxy/proxy/http_protocol.py),
+"""HTTP/1.1 conformance of pdproxy's own server protocol (pdproxy/http/server_protocol.py),
 byte by byte over loopback sockets.
 
 Written here, not copied: the ground is at least what uvicorn's HTTP protocol tests cover
@@ -99,7 +99,7 @@ import pytest
 from uvicorn.config import Config
 from uvicorn.server import ServerState
 
-from pdproxy.proxy.http_protocol import HttpProtocol
+from pdproxy.http.server_protocol import HttpProtocol
 from tests.integration.http_harness import (
     DATE,
     Recorder,

@@ -13,7 +13,7 @@ import socket
 import threading
 import time
 
-from pdproxy.proxy.http_protocol import (
+from pdproxy.http.server_protocol import (
     DISCARD_SECONDS,
     MAX_FRAMING_BYTES,
     MAX_HEAD_BYTES,

@@ -1,4 +1,4 @@
-"""pdproxy's HTTP/1.1 protocol (pdproxy/proxy/http_protocol.py) over real loopback sockets.
+"""pdproxy's HTTP/1.1 protocol (pdproxy/http/server_protocol.py) over real loopback sockets.
 
 A small ASGI application is served by the protocol on an event loop in a thread (the harness
 is http_harness.py); the tests speak HTTP to it with http.client and with raw sockets where the
@@ -18,7 +18,7 @@ from typing import Any
 
 import pytest
 
-from pdproxy.proxy.http_protocol import DISCONNECT_HOOK, MAX_HEAD_BYTES, MAX_PIPELINED
+from pdproxy.http.server_protocol import DISCONNECT_HOOK, MAX_HEAD_BYTES, MAX_PIPELINED
 from tests.integration.http_harness import (
     Recorder,
     Served,

@@ -21,8 +21,8 @@ from pdproxy.registry.auth import new_nonce, signed
 from pdproxy.registry.messages import Stats, decode_frame
 from pdproxy.testing.fleet import LocalFleet, Worker, WorkerSpec
 from pdproxy.testing.processes import http_get, wait_until
-from pdproxy.worker.announcement import TransferStat, stats_message
-from pdproxy.worker.stats_reporter import StatsReporter
+from pdproxy.vllm_side.announcement import TransferStat, stats_message
+from pdproxy.vllm_side.stats_reporter import StatsReporter
 from tests.conftest import FleetFactory
 from tests.integration.support import post_json
 

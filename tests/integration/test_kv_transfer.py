@@ -11,12 +11,12 @@ import torch
 
 from pdproxy.pairing.geometry import KvGeometry, KvLayout
 from pdproxy.testing.processes import free_ports, wait_until
-from pdproxy.worker.kv import CacheFormat
-from pdproxy.worker.kv_buffer import TransferBuffer
-from pdproxy.worker.kv_keys import transfer_key
-from pdproxy.worker.kv_schedule import LoadSpec, SendSpec
-from pdproxy.worker.kv_tcp import TcpReceiver, TcpSender
-from pdproxy.worker.kv_worker import ConsumerWorker, ProducerWorker, TransferRecord
+from pdproxy.vllm_side.kv import CacheFormat
+from pdproxy.vllm_side.kv_buffer import TransferBuffer
+from pdproxy.vllm_side.kv_keys import transfer_key
+from pdproxy.vllm_side.kv_schedule import LoadSpec, SendSpec
+from pdproxy.vllm_side.kv_tcp import TcpReceiver, TcpSender
+from pdproxy.vllm_side.kv_worker import ConsumerWorker, ProducerWorker, TransferRecord
 from tests.integration.kv_support import random_caches
 
 LAYERS, HEADS, HEAD_DIM, BLOCK, BLOCKS = 3, 2, 8, 16, 12

@@ -15,12 +15,12 @@ import torch
 
 from pdproxy.pairing.geometry import KvGeometry, KvLayout
 from pdproxy.testing.processes import free_port_run, wait_until
-from pdproxy.worker.kv import CacheFormat, gather_kv, plan_reads, scatter_kv
-from pdproxy.worker.kv_buffer import TransferBuffer
-from pdproxy.worker.kv_keys import TransferKey, transfer_key
-from pdproxy.worker.kv_schedule import LoadSpec, SendSpec
-from pdproxy.worker.kv_tcp import TcpReceiver, TcpSender
-from pdproxy.worker.kv_worker import ConsumerWorker, ProducerWorker, TransferRecord
+from pdproxy.vllm_side.kv import CacheFormat, gather_kv, plan_reads, scatter_kv
+from pdproxy.vllm_side.kv_buffer import TransferBuffer
+from pdproxy.vllm_side.kv_keys import TransferKey, transfer_key
+from pdproxy.vllm_side.kv_schedule import LoadSpec, SendSpec
+from pdproxy.vllm_side.kv_tcp import TcpReceiver, TcpSender
+from pdproxy.vllm_side.kv_worker import ConsumerWorker, ProducerWorker, TransferRecord
 
 LAYERS, HEAD_DIM, BLOCKS = 2, 8, 10
 P_BLOCK, D_BLOCK = 16, 32

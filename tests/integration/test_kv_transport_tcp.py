@@ -15,13 +15,13 @@ import torch
 
 from pdproxy.pairing.geometry import KvGeometry, KvLayout
 from pdproxy.testing.processes import free_port, free_port_run, wait_until
-from pdproxy.worker.kv import CacheFormat, gather_kv, scatter_kv, wire_from_bytes
-from pdproxy.worker.kv_buffer import Loss, Transfer, TransferBuffer
-from pdproxy.worker.kv_keys import transfer_key
-from pdproxy.worker.kv_schedule import LoadSpec, SendSpec
-from pdproxy.worker.kv_tcp import TcpReceiver, TcpSender
-from pdproxy.worker.kv_wire import LayerHeader, frame_prefix
-from pdproxy.worker.kv_worker import ConsumerWorker, ProducerWorker, TransferRecord
+from pdproxy.vllm_side.kv import CacheFormat, gather_kv, scatter_kv, wire_from_bytes
+from pdproxy.vllm_side.kv_buffer import Loss, Transfer, TransferBuffer
+from pdproxy.vllm_side.kv_keys import transfer_key
+from pdproxy.vllm_side.kv_schedule import LoadSpec, SendSpec
+from pdproxy.vllm_side.kv_tcp import TcpReceiver, TcpSender
+from pdproxy.vllm_side.kv_wire import LayerHeader, frame_prefix
+from pdproxy.vllm_side.kv_worker import ConsumerWorker, ProducerWorker, TransferRecord
 from tests.integration import test_kv_transfer_tp as tp
 from tests.integration.kv_support import random_caches
 from tests.integration.support import closed_by_peer

@@ -10,7 +10,7 @@ For every case two things are asserted:
     Transfer-Encoding, and the body (the decode leg's is the client's bytes unchanged). No
     byte of a smuggled request, trailer or client framing header ever reaches the upstream.
 
-Some cases pin behaviour being changed in pdproxy/proxy/http_protocol.py at the time of
+Some cases pin behaviour being changed in pdproxy/http/server_protocol.py at the time of
 writing (upgrades and CONNECT served as plain requests and closed, the 431 head bound, chunked
 trailers dropped, several Authorization headers refused) and fail until it lands.
 """

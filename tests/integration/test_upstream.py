@@ -14,9 +14,9 @@ from typing import Any
 import pytest
 
 from pdproxy.config import Settings
+from pdproxy.http import upstream as upstream_module
+from pdproxy.http.upstream import Upstream, UpstreamError
 from pdproxy.ids import Address
-from pdproxy.proxy import upstream as upstream_module
-from pdproxy.proxy.upstream import Upstream, UpstreamError
 
 Handler = Callable[[asyncio.StreamReader, asyncio.StreamWriter], Awaitable[None]]
 HEADERS = {"Content-Type": "application/json", "X-Request-Id": "rid"}

@@ -1,4 +1,4 @@
-"""pdproxy.proxy.alarms: one loop timer for many deadlines, none of them rung early, few slots
+"""pdproxy.http.alarms: one loop timer for many deadlines, none of them rung early, few slots
 kept however many requests come and go. On asyncio's loop and on uvloop (the proxy's)."""
 
 from __future__ import annotations
@@ -10,8 +10,8 @@ from typing import Any
 import pytest
 import uvloop
 
-from pdproxy.proxy.alarms import FINE_SLOTS_PER_SECOND, Alarms
-from pdproxy.proxy.deadline import Deadline
+from pdproxy.http.alarms import FINE_SLOTS_PER_SECOND, Alarms
+from pdproxy.http.deadline import Deadline
 
 # The loop timer counts whole milliseconds, so it may fire up to half of one early.
 TIMER_ROUNDING = 0.001

@@ -16,19 +16,19 @@ from pdproxy.ids import Address
 from pdproxy.registry.messages import MAX_MODEL_LEN, Announcement, decode_frame
 from pdproxy.testing.fake_worker.announce import announce_message as fake_announce_message
 from pdproxy.testing.fake_worker.config import Geometry, WorkerConfig
-from pdproxy.worker.announce import (
+from pdproxy.vllm_side.announce import (
     ContextLengthProbe,
     add_cli,
     build_identity,
     context_length_from_models,
 )
-from pdproxy.worker.announcement import (
+from pdproxy.vllm_side.announcement import (
     WorkerIdentity,
     WorkerLoad,
     announce_message,
     context_length,
 )
-from pdproxy.worker.announcer import Announcer, LoadSample
+from pdproxy.vllm_side.announcer import Announcer, LoadSample
 
 IDENTITY = WorkerIdentity("D", "10.0.0.6:8200", "10.0.0.6:22001", model="m")
 

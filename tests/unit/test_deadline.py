@@ -1,4 +1,4 @@
-"""pdproxy.proxy.deadline.Deadline behaves as asyncio.timeout for the task it is given."""
+"""pdproxy.http.deadline.Deadline behaves as asyncio.timeout for the task it is given."""
 
 from __future__ import annotations
 
@@ -6,9 +6,9 @@ import asyncio
 
 import pytest
 
-from pdproxy.proxy.alarms import Alarms
-from pdproxy.proxy.deadline import Deadline
-from pdproxy.proxy.random_ids import RandomHex
+from pdproxy.http.alarms import Alarms
+from pdproxy.http.deadline import Deadline
+from pdproxy.tracing.random_ids import RandomHex
 
 
 def run(coroutine: object) -> object:

@@ -16,7 +16,7 @@ from pdproxy.testing.fake_worker.config import Geometry, WorkerConfig
 from pdproxy.testing.fake_worker.generation import Generation, Prompt
 from pdproxy.testing.fake_worker.kv_stats import OUTCOMES, KvStats, split
 from pdproxy.testing.fake_worker.records import KV_FAILURE_REASONS
-from pdproxy.worker.announcement import TransferStat
+from pdproxy.vllm_side.announcement import TransferStat
 
 UID = "0123456789abcdef0123456789abcdef"
 TAGGED = f"___prefill_addr_127.0.0.1:21001___decode_addr_127.0.0.1:22001_{UID}"

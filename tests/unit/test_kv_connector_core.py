@@ -8,10 +8,10 @@ from hypothesis import given, settings
 from hypothesis import strategies as st
 
 from pdproxy.ids import Address
-from pdproxy.worker.kv_buffer import Loss, Transfer, TransferBuffer
-from pdproxy.worker.kv_keys import TransferKey, transfer_key
-from pdproxy.worker.kv_schedule import ConsumerSchedule, ProducerSchedule, decode_tp_size
-from pdproxy.worker.kv_wire import LayerHeader, WireError, decode_header
+from pdproxy.vllm_side.kv_buffer import Loss, Transfer, TransferBuffer
+from pdproxy.vllm_side.kv_keys import TransferKey, transfer_key
+from pdproxy.vllm_side.kv_schedule import ConsumerSchedule, ProducerSchedule, decode_tp_size
+from pdproxy.vllm_side.kv_wire import LayerHeader, WireError, decode_header
 
 UID = "0123456789abcdef0123456789abcdef"
 TAG = f"___prefill_addr_10.0.0.1:21001___decode_addr_10.0.0.2:22001_{UID}"

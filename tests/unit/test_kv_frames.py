@@ -7,8 +7,8 @@ import pytest
 from hypothesis import given, settings
 from hypothesis import strategies as st
 
-from pdproxy.worker.kv_buffer import Loss, Transfer, TransferBuffer
-from pdproxy.worker.kv_wire import (
+from pdproxy.vllm_side.kv_buffer import Loss, Transfer, TransferBuffer
+from pdproxy.vllm_side.kv_wire import (
     MAX_HEADER_BYTES,
     MAX_PAYLOAD_BYTES,
     PREFIX_BYTES,

@@ -1,4 +1,4 @@
-"""pdproxy.worker.kv: a request's KV gathered on prefill ranks and scattered on decode ranks.
+"""pdproxy.vllm_side.kv: a request's KV gathered on prefill ranks and scattered on decode ranks.
 
 The oracle is deliberately slow and independent of kv.py: every cache format is written and
 read one token at a time with plain indexing, following how vLLM itself reads that format
@@ -26,8 +26,8 @@ from hypothesis import strategies as st
 
 from pdproxy.pairing.geometry import KvGeometry, KvLayout, PairPlan, Side, plan_pair
 from pdproxy.registry.messages import Connector
-from pdproxy.worker.cpu_format import format_for_isa
-from pdproxy.worker.kv import (
+from pdproxy.vllm_side.cpu_format import format_for_isa
+from pdproxy.vllm_side.kv import (
     CacheFormat,
     HeadRead,
     gather_kv,
@@ -651,8 +651,8 @@ CPU_KERNEL_CHECK = """
 import torch
 from vllm import _custom_ops as ops
 from vllm.v1.attention.backends.cpu_attn import _get_attn_isa
-from pdproxy.worker.cpu_format import format_for_isa
-from pdproxy.worker.kv import gather_kv, scatter_kv
+from pdproxy.vllm_side.cpu_format import format_for_isa
+from pdproxy.vllm_side.kv import gather_kv, scatter_kv
 
 checked = set()
 for dtype in (torch.float32, torch.bfloat16, torch.float16):
@@ -708,7 +708,7 @@ def test_cpu_format_matches_vllms_cpu_kernel() -> None:
 
 def test_importing_kv_pulls_in_no_proxy_code() -> None:
     code = (
-        "import sys, pdproxy.worker.kv\n"
+        "import sys, pdproxy.vllm_side.kv\n"
         "bad = sorted(m for m in sys.modules if m.split('.')[0] in ('fastapi', 'uvicorn')"
         " or m == 'pdproxy.proxy' or m.startswith('pdproxy.proxy.'))\n"
         "print(bad)\n"

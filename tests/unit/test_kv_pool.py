@@ -10,8 +10,8 @@ import torch
 from hypothesis import given, settings
 from hypothesis import strategies as st
 
-from pdproxy.worker.kv import wire_from_bytes
-from pdproxy.worker.kv_pool import MIN_POOLED_BYTES, ReceivePool, capacity_for
+from pdproxy.vllm_side.kv import wire_from_bytes
+from pdproxy.vllm_side.kv_pool import MIN_POOLED_BYTES, ReceivePool, capacity_for
 
 MIB = 1 << 20
 

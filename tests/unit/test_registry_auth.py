@@ -21,7 +21,7 @@ from pdproxy.registry.auth import (
     signed,
 )
 from pdproxy.registry.messages import Reason, Rejected, decode_frame, parse_message
-from pdproxy.worker.announcement import WorkerIdentity, announce_message, leave_message
+from pdproxy.vllm_side.announcement import WorkerIdentity, announce_message, leave_message
 
 SECRET = b"0123456789abcdef-unit"
 NOW = 1_700_000_000.0

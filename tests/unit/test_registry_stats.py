@@ -16,9 +16,9 @@ from pdproxy.registry.auth import new_nonce, signed
 from pdproxy.registry.kv_stats import KvTransferStats
 from pdproxy.registry.server import RegistryServer
 from pdproxy.registry.table import RegistryTable
-from pdproxy.worker.announcement import TransferStat, WorkerIdentity, announce_message
-from pdproxy.worker.announcement import leave_message as worker_leave
-from pdproxy.worker.announcement import stats_message as worker_stats
+from pdproxy.vllm_side.announcement import TransferStat, WorkerIdentity, announce_message
+from pdproxy.vllm_side.announcement import leave_message as worker_leave
+from pdproxy.vllm_side.announcement import stats_message as worker_stats
 
 UID = "0123456789abcdef0123456789abcdef"
 SECRET = "unit-registry-secret-0123"

@@ -11,9 +11,8 @@ import pytest
 from pdproxy.config import Settings
 from pdproxy.ids import Address
 from pdproxy.metrics import Metrics
-from pdproxy.registry.hub import REPUBLISH_SECONDS, RegistryHub
-from pdproxy.registry.messages import Role
-from pdproxy.registry.shared_state import (
+from pdproxy.multiworker.hub import REPUBLISH_SECONDS, RegistryHub
+from pdproxy.multiworker.shared_state import (
     ControlReply,
     ControlRequest,
     Operation,
@@ -21,6 +20,7 @@ from pdproxy.registry.shared_state import (
     decode,
     encode,
 )
+from pdproxy.registry.messages import Role
 from pdproxy.registry.table import LOAD_REFRESH_SECONDS, Instance, Source
 
 DECODE = Address("10.0.0.2", 8200)

@@ -8,8 +8,8 @@ from typing import Any
 
 import pytest
 
+from pdproxy.http.upstream import Reply
 from pdproxy.proxy.side_by_side import decode_beside_prefill
-from pdproxy.proxy.upstream import Reply
 
 
 class Legs:

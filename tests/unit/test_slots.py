@@ -1,4 +1,4 @@
-"""pdproxy.proxy.slots.Slots: a counting semaphore that never loses a slot."""
+"""pdproxy.http.slots.Slots: a counting semaphore that never loses a slot."""
 
 from __future__ import annotations
 
@@ -7,7 +7,7 @@ from collections.abc import Awaitable, Callable
 
 import pytest
 
-from pdproxy.proxy.slots import Slots
+from pdproxy.http.slots import Slots
 
 
 def run(body: Callable[[Slots], Awaitable[None]], count: int = 2) -> None:

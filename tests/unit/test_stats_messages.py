@@ -26,7 +26,7 @@ from pdproxy.registry.messages import (
     decode_frame,
     parse_transfer,
 )
-from pdproxy.worker.announcement import TransferStat, stats_message
+from pdproxy.vllm_side.announcement import TransferStat, stats_message
 
 PROFILE = settings(derandomize=True, database=None, deadline=None)
 UID = "0123456789abcdef0123456789abcdef"

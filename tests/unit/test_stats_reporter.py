@@ -1,4 +1,4 @@
-"""pdproxy.worker.stats_reporter: never blocks, drops (and counts) when full, batches within the
+"""pdproxy.vllm_side.stats_reporter: never blocks, drops (and counts) when full, batches within the
 registry's limits, signs, and every message it sends is one the proxy's decoder accepts."""
 
 from __future__ import annotations
@@ -12,8 +12,8 @@ import pytest
 
 from pdproxy.registry.auth import RegistryGate, Verifier
 from pdproxy.registry.messages import MAX_TRANSFERS, Stats, decode_frame
-from pdproxy.worker.announcement import TransferStat
-from pdproxy.worker.stats_reporter import MAX_MESSAGE_BYTES, StatsReporter, stats_identity
+from pdproxy.vllm_side.announcement import TransferStat
+from pdproxy.vllm_side.stats_reporter import MAX_MESSAGE_BYTES, StatsReporter, stats_identity
 
 UID = "0123456789abcdef0123456789abcdef"
 HTTP = "10.0.0.2:8200"

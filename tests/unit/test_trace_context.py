@@ -1,4 +1,4 @@
-"""W3C trace context for the legs (pdproxy.proxy.trace_context) and JSON log lines. Pure."""
+"""W3C trace context for the legs (pdproxy.tracing.context) and JSON log lines. Pure."""
 
 from __future__ import annotations
 
@@ -10,7 +10,7 @@ import sys
 import pytest
 
 from pdproxy.logs import FIELDS, DroppingQueueHandler, JsonFormatter
-from pdproxy.proxy.trace_context import MAX_TRACESTATE, trace_context
+from pdproxy.tracing.context import MAX_TRACESTATE, trace_context
 
 NEW = "f" * 32
 TRACE = "4bf92f3577b34da6a3ce929d0e0e4736"

@@ -17,22 +17,22 @@ from hypothesis import given, settings
 from hypothesis import strategies as st
 
 from pdproxy.registry.messages import Announcement, decode_frame
-from pdproxy.worker.announcement import (
+from pdproxy.vllm_side.announcement import (
     WorkerGeometry,
     WorkerIdentity,
     WorkerLoad,
     announce_message,
 )
-from pdproxy.worker.announcer import DEFAULT_INTERVAL_S
-from pdproxy.worker.connector_settings import (
+from pdproxy.vllm_side.announcer import DEFAULT_INTERVAL_S
+from pdproxy.vllm_side.connector_settings import (
     DEFAULT_KV_PORT,
     ConnectorConfigError,
     connector_settings,
 )
-from pdproxy.worker.load_tracker import LoadTracker
-from pdproxy.worker.model_config import ModelConfigError, geometry_from_model_config
-from pdproxy.worker.vllm_geometry import geometry_from_vllm_config, kv_dtype_name, layout_name
-from pdproxy.worker.vllm_metrics import MetricsFormatError, load_from_metrics
+from pdproxy.vllm_side.load_tracker import LoadTracker
+from pdproxy.vllm_side.model_config import ModelConfigError, geometry_from_model_config
+from pdproxy.vllm_side.vllm_geometry import geometry_from_vllm_config, kv_dtype_name, layout_name
+from pdproxy.vllm_side.vllm_metrics import MetricsFormatError, load_from_metrics
 
 PROFILE = settings(derandomize=True, database=None, deadline=None)
 
@@ -689,7 +689,7 @@ def test_a_failing_attribute_is_unknown_not_a_crash(caplog: pytest.LogCaptureFix
     def broken() -> int:
         raise RuntimeError("renamed in a newer vLLM")
 
-    with caplog.at_level(logging.WARNING, logger="pdproxy.worker"):
+    with caplog.at_level(logging.WARNING, logger="pdproxy.vllm_side"):
         geometry = geometry_from_vllm_config(fake_vllm_config(get_head_size=broken))
     assert geometry.head_dim is None
     assert geometry == WorkerGeometry(

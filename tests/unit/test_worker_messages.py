@@ -1,4 +1,4 @@
-"""pdproxy.worker.announcement against the proxy's decoder: what a worker sends is what the
+"""pdproxy.vllm_side.announcement against the proxy's decoder: what a worker sends is what the
 registry reads (DESIGN.md section 3), and `healthy` keeps an instance known but unrouted."""
 
 from __future__ import annotations
@@ -24,7 +24,7 @@ from pdproxy.registry.messages import (
     decode_frame,
 )
 from pdproxy.registry.table import Change, RegistryTable, Source
-from pdproxy.worker.announcement import (
+from pdproxy.vllm_side.announcement import (
     WorkerGeometry,
     WorkerIdentity,
     WorkerLoad,

@@ -14,11 +14,11 @@ from pdproxy.registry.auth import Verifier
 from pdproxy.registry.messages import Reason, Rejected
 from pdproxy.testing.fake_worker.announce import announce_message as fake_announce_message
 from pdproxy.testing.fake_worker.config import Geometry, WorkerConfig
-from pdproxy.worker.announce import add_cli, registry_secret
-from pdproxy.worker.announcement import WorkerIdentity, WorkerLoad
-from pdproxy.worker.announcer import Announcer, LoadSample
-from pdproxy.worker.connector_settings import ConnectorConfigError, connector_settings
-from pdproxy.worker.secret import SECRET_ENV, SecretError, read_secret_file
+from pdproxy.vllm_side.announce import add_cli, registry_secret
+from pdproxy.vllm_side.announcement import WorkerIdentity, WorkerLoad
+from pdproxy.vllm_side.announcer import Announcer, LoadSample
+from pdproxy.vllm_side.connector_settings import ConnectorConfigError, connector_settings
+from pdproxy.vllm_side.secret import SECRET_ENV, SecretError, read_secret_file
 
 SECRET = b"worker-secret-0123456789"
 NOW = 1_700_000_000.0

@@ -17,15 +17,15 @@ pytestmark = pytest.mark.vllm
 REPO = Path(__file__).resolve().parents[2]
 INSTALL_TIMEOUT_S = 300
 WORKER_MODULES = (
-    "pdproxy.worker.kv",
-    "pdproxy.worker.kv_worker",
-    "pdproxy.worker.kv_transport",
-    "pdproxy.worker.kv_tcp",
-    "pdproxy.worker.kv_pool",
-    "pdproxy.worker.kv_schedule",
-    "pdproxy.worker.stats_reporter",
-    "pdproxy.worker.announcer",
-    "pdproxy.worker.connector_settings",
+    "pdproxy.vllm_side.kv",
+    "pdproxy.vllm_side.kv_worker",
+    "pdproxy.vllm_side.kv_transport",
+    "pdproxy.vllm_side.kv_tcp",
+    "pdproxy.vllm_side.kv_pool",
+    "pdproxy.vllm_side.kv_schedule",
+    "pdproxy.vllm_side.stats_reporter",
+    "pdproxy.vllm_side.announcer",
+    "pdproxy.vllm_side.connector_settings",
 )
 
 

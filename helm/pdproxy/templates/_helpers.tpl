@@ -232,7 +232,7 @@ kv_buffer_size is sent to P2pNcclConnector only, which reads it.
   "kv_port" (int $fleet.kvPort)
   "kv_connector_extra_config" $extra }}
 {{- if eq $fleet.connector "PdproxyConnector" }}
-{{- $_ := set $config "kv_connector_module_path" "pdproxy.worker.connector" }}
+{{- $_ := set $config "kv_connector_module_path" "pdproxy.vllm_side.connector" }}
 {{- else }}
 {{- $_ := set $config "kv_buffer_size" (toString $spec.kvBufferSize) }}
 {{- end }}

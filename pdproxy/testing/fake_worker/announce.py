@@ -18,14 +18,14 @@ import zmq.asyncio
 from pdproxy.registry.auth import new_nonce, signed
 from pdproxy.testing.fake_worker.asyncio_helpers import cancel_task
 from pdproxy.testing.fake_worker.config import WorkerConfig
-from pdproxy.worker.announcement import (
+from pdproxy.vllm_side.announcement import (
     WorkerGeometry,
     WorkerIdentity,
     WorkerLoad,
     leave_message,
     v0_message,
 )
-from pdproxy.worker.announcement import announce_message as worker_announce_message
+from pdproxy.vllm_side.announcement import announce_message as worker_announce_message
 
 log = logging.getLogger("pdproxy.testing.fake_worker")
 

@@ -12,7 +12,7 @@ from pdproxy.testing.fake_worker.config import (
     Geometry,
     WorkerConfig,
 )
-from pdproxy.worker.secret import read_secret_file
+from pdproxy.vllm_side.secret import read_secret_file
 
 
 def port(text: str) -> int:

@@ -10,7 +10,7 @@ from collections.abc import Sequence
 from pdproxy.ids import AddressError
 from pdproxy.testing.fake_worker.arguments import add_arguments, config_from_args
 from pdproxy.testing.fake_worker.server import run_worker
-from pdproxy.worker.secret import SecretError
+from pdproxy.vllm_side.secret import SecretError
 
 DESCRIPTION = (
     "Run a fake vLLM prefill or decode worker: OpenAI endpoints with deterministic text, "

@@ -25,8 +25,8 @@ from pdproxy.ids import parse_request_id
 from pdproxy.testing.fake_worker.config import WorkerConfig
 from pdproxy.testing.fake_worker.generation import Generation
 from pdproxy.testing.fake_worker.kv_payload import KvPayload
-from pdproxy.worker.announcement import TransferOutcome, TransferStat
-from pdproxy.worker.stats_reporter import StatsReporter
+from pdproxy.vllm_side.announcement import TransferOutcome, TransferStat
+from pdproxy.vllm_side.stats_reporter import StatsReporter
 
 OUTCOMES: dict[str, TransferOutcome] = {
     "send_timeout": "timeout",

@@ -9,7 +9,7 @@ from dataclasses import asdict, dataclass
 from typing import Any
 
 from pdproxy.testing.fake_worker.http_json import ApiError
-from pdproxy.worker.announcement import WorkerLoad
+from pdproxy.vllm_side.announcement import WorkerLoad
 
 
 @dataclass(frozen=True, slots=True)

@@ -1,0 +1,103 @@
+"""Announce one worker to the registry every period, from a background thread.
+
+The thread never blocks on the registry (see RegistryClient) and every wait is bounded by the
+period, so stopping takes at most one period plus the ZMQ linger.
+"""
+
+from __future__ import annotations
+
+import logging
+import threading
+import time
+from collections.abc import Callable
+from dataclasses import replace
+from typing import Any
+
+from pdproxy.registry.auth import new_nonce, signed
+from pdproxy.vllm_side.announcement import (
+    WorkerIdentity,
+    WorkerLoad,
+    announce_message,
+    leave_message,
+)
+from pdproxy.vllm_side.registry_client import RegistryClient
+
+log = logging.getLogger("pdproxy.vllm_side")
+
+DEFAULT_INTERVAL_S = 3.0  # what stock vLLM's P2pNcclEngine uses
+
+
+class LoadSample:
+    """What a load source reports each period: the load (None if unknown), whether the
+    instance can serve at all, and the context length it learned from the server, if any
+    (None: the identity's is announced)."""
+
+    __slots__ = ("healthy", "load", "max_model_len")
+
+    def __init__(
+        self, load: WorkerLoad | None, healthy: bool = True, max_model_len: int | None = None
+    ) -> None:
+        self.load = load
+        self.healthy = healthy
+        self.max_model_len = max_model_len
+
+
+class Announcer:
+    def __init__(
+        self,
+        client: RegistryClient,
+        identity: WorkerIdentity,
+        sample: Callable[[], LoadSample],
+        interval_s: float = DEFAULT_INTERVAL_S,
+        secret: bytes | None = None,
+        wall_clock: Callable[[], float] = time.time,
+    ) -> None:
+        if interval_s <= 0:
+            raise ValueError("the announce interval must be positive")
+        self._client = client
+        self._identity = identity
+        self._sample = sample
+        self._interval = interval_s
+        self._secret = secret  # signs every message when set (announce and leave)
+        self._wall_clock = wall_clock
+        self._stop = threading.Event()
+        self._thread: threading.Thread | None = None
+
+    def announce_once(self) -> bool:
+        try:
+            sample = self._sample()
+        except Exception as exc:  # a failing load source must not silence the announcements
+            log.warning("pdproxy announcer: load source failed: %r", exc)
+            sample = LoadSample(None, healthy=False)
+        identity = self._identity
+        if sample.max_model_len is not None:
+            identity = replace(identity, max_model_len=sample.max_model_len)
+        message = announce_message(identity, sample.load, sample.healthy)
+        return self._client.send(self._seal(message))
+
+    def _seal(self, message: dict[str, Any]) -> dict[str, Any]:
+        if self._secret is None:
+            return message
+        return signed(message, self._secret, self._wall_clock(), new_nonce())
+
+    def run(self) -> None:
+        """Announce until stop(); then say goodbye."""
+        while not self._stop.is_set():
+            self.announce_once()
+            self._stop.wait(self._interval)
+        self._client.send(self._seal(leave_message(self._identity)))
+
+    def start(self) -> None:
+        self._thread = threading.Thread(target=self.run, name="pdproxy-announcer", daemon=True)
+        self._thread.start()
+
+    def request_stop(self) -> None:
+        """Make run() send `leave` and return within one period (safe from a signal handler)."""
+        self._stop.set()
+
+    def stop(self, timeout_s: float = 2.0) -> None:
+        """Stop the background thread started by start(), then close the client."""
+        self._stop.set()
+        if self._thread is not None:
+            self._thread.join(timeout_s)
+        self._client.close()
