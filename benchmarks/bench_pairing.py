@@ -44,7 +44,7 @@ from pdproxy.ids import Address
 from pdproxy.pairing.features import RequestFeatures
 from pdproxy.pairing.planner import Pair, Planner, class_key
 from pdproxy.pairing.policies import make_policy
-from pdproxy.proxy.app import planner_from
+from pdproxy.proxy.state import planner_from
 from pdproxy.registry.messages import Connector, Geometry, Load, Role
 from pdproxy.registry.table import Instance, Snapshot, Source
 

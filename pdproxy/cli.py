@@ -19,6 +19,8 @@ def serve(settings: Settings) -> int:
 
     configure_logging(settings.log_level, settings.log_format)
     logging.getLogger("pdproxy").info("pdproxy %s, %s", __version__, build_description())
+    from pdproxy.single_process import raise_descriptor_limit, serve_single
+
     raise_descriptor_limit()
     try:
         # Read before anything binds: a missing key file fails the start, not a request.
@@ -31,26 +33,7 @@ def serve(settings: Settings) -> int:
         from pdproxy.multiworker.supervisor import serve_workers
 
         return serve_workers(settings)
-    from pdproxy.proxy.app import PdproxyApp
-    from pdproxy.proxy.draining import run_server
-
-    return 0 if run_server(PdproxyApp(settings, credentials=credentials), settings) else 1
-
-
-def raise_descriptor_limit() -> None:
-    """Each held stream needs two descriptors (client and decode leg): take all the process
-    may have, and say what that allows."""
-    import resource
-
-    soft, hard = resource.getrlimit(resource.RLIMIT_NOFILE)
-    if hard != resource.RLIM_INFINITY and soft < hard:
-        resource.setrlimit(resource.RLIMIT_NOFILE, (hard, hard))
-        soft = hard
-    logging.getLogger("pdproxy").info(
-        "file descriptor limit %s: about %s concurrent streams",
-        soft,
-        "unlimited" if soft == resource.RLIM_INFINITY else max(0, (soft - 256) // 2),
-    )
+    return serve_single(settings, credentials)
 
 
 def _run_serve(args: argparse.Namespace) -> int:

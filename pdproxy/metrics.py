@@ -17,7 +17,6 @@ instance ever seen, not with the registry cap.
 from __future__ import annotations
 
 import contextlib
-import os
 import time
 from collections.abc import Callable, Iterable, Mapping
 
@@ -28,7 +27,6 @@ from prometheus_client.multiprocess import MultiProcessCollector
 from prometheus_client.registry import Collector
 
 from pdproxy.local_metrics import LocalCounter, LocalGauge, LocalHistogram
-from pdproxy.multiworker.paths import METRICS_DIR_VARIABLE
 from pdproxy.pairing.planner import Unpaired
 from pdproxy.registry.kv_stats import COUNTED_OUTCOMES, TransferRecord
 from pdproxy.registry.messages import Reason, Role, TransferOutcome
@@ -98,17 +96,18 @@ _INFLIGHT = (
 
 
 class Metrics:
-    def __init__(self, registry: CollectorRegistry | None = None, shared: bool = False) -> None:
+    def __init__(
+        self, registry: CollectorRegistry | None = None, shared_dir: str | None = None
+    ) -> None:
+        """`shared_dir`: the directory several processes count into (prometheus_client's
+        multiprocess mode, chosen at its import by the environment; see multiworker)."""
         self.registry = registry or CollectorRegistry(auto_describe=True)
-        self.shared = shared
+        shared = self.shared = shared_dir is not None
         # What /metrics shows: this registry, or with several workers the sum of all processes.
         self.exposed = self.registry
-        if shared:
-            directory = os.environ.get(METRICS_DIR_VARIABLE)
-            if not directory:
-                raise RuntimeError(f"shared metrics need {METRICS_DIR_VARIABLE} set before start")
+        if shared_dir is not None:
             self.exposed = CollectorRegistry()
-            MultiProcessCollector(self.exposed, directory)  # type: ignore[no-untyped-call]
+            MultiProcessCollector(self.exposed, shared_dir)  # type: ignore[no-untyped-call]
         r = self.registry
         # The metrics every request updates (requests, the three latencies, admitted): with
         # several workers prometheus_client's values, which go to the shared files; in one

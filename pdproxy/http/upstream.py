@@ -19,14 +19,11 @@ import errno
 import socket
 from collections import deque
 from collections.abc import Mapping
-from typing import cast
+from typing import Protocol, cast
 
 import httptools
 
-from pdproxy import __version__
-from pdproxy.config import Settings
 from pdproxy.http.slots import Slots
-from pdproxy.ids import Address
 
 # Idle connections are dropped before uvicorn's default keep-alive (5 s, what vLLM runs with)
 # would close them under us.
@@ -44,7 +41,6 @@ RECEIVE_BUFFER = 64 * 1024
 # Queued pieces are handed out joined up to this size (or one larger parsed piece): a client's
 # write buffer takes one piece past its own high-water mark.
 HANDED_PIECE = 64 * 1024
-_USER_AGENT_LINE = f"User-Agent: pdproxy/{__version__}\r\n"
 # A pooled connection the instance had already closed fails at once; a failure later than this
 # after sending may mean the instance read the request, so it is not replayed.
 _STALE_WINDOW = 0.25
@@ -301,15 +297,29 @@ class _Pool:
         self.idle = fresh
 
 
+class Origin(Protocol):
+    """Where a request goes: `str()` gives its Host header ("host:port"); equal origins share
+    connections."""
+
+    @property
+    def host(self) -> str: ...
+
+    @property
+    def port(self) -> int: ...
+
+    def __hash__(self) -> int: ...
+
+
 class Upstream:
-    def __init__(self, settings: Settings) -> None:
+    def __init__(self, connect_timeout: float, max_connections: int, user_agent: str) -> None:
         """Built inside the event loop it serves: it holds that loop rather than looking it up
         per exchange (each lookup is a getpid() system call on Python 3.11)."""
         self._loop = asyncio.get_running_loop()
-        self._connect_timeout = settings.connect_timeout
-        self._slot_count = settings.upstream_max_connections
+        self._connect_timeout = connect_timeout
+        self._slot_count = max_connections
+        self._user_agent_line = f"User-Agent: {user_agent}\r\n"
         self._slots = Slots(self._loop, self._slot_count)
-        self._pools: dict[Address, _Pool] = {}
+        self._pools: dict[Origin, _Pool] = {}
         self._pruner: asyncio.Task[None] | None = None
 
     async def start(self) -> None:
@@ -332,14 +342,14 @@ class Upstream:
         return self._slots.all_taken()
 
     async def post(
-        self, address: Address, path: str, body: bytes, headers: Mapping[str, str], limit: int
+        self, address: Origin, path: str, body: bytes, headers: Mapping[str, str], limit: int
     ) -> Reply:
         """POST and read the whole answer (bounded by `limit` bytes)."""
         async with self.stream("POST", address, path, body, headers) as stream:
             return Reply(stream.status, stream.content_type, await stream.read_all(limit))
 
     async def get(
-        self, address: Address, path: str, headers: Mapping[str, str], limit: int
+        self, address: Origin, path: str, headers: Mapping[str, str], limit: int
     ) -> Reply:
         async with self.stream("GET", address, path, None, headers) as stream:
             return Reply(stream.status, stream.content_type, await stream.read_all(limit))
@@ -347,7 +357,7 @@ class Upstream:
     def stream(
         self,
         method: str,
-        address: Address,
+        address: Origin,
         path: str,
         body: bytes | None,
         headers: Mapping[str, str],
@@ -359,7 +369,8 @@ class Upstream:
         closes the connection instead of pooling it, so the instance sees the disconnect and
         aborts the request.
         """
-        return _Exchange(self, address, _request_head(method, address, path, body, headers), body)
+        head = _request_head(method, address, path, body, headers, self._user_agent_line)
+        return _Exchange(self, address, head, body)
 
     async def _wait_for_slot(self) -> None:
         # Waiting for a free slot is the proxy's own congestion, not the instance's: it gets
@@ -374,7 +385,7 @@ class Upstream:
                 f"{self._connect_timeout:g}s",
             ) from None
 
-    async def _exchange(self, address: Address, head: bytes, body: bytes | None) -> _Connection:
+    async def _exchange(self, address: Origin, head: bytes, body: bytes | None) -> _Connection:
         loop = self._loop
         pool = self._pools.get(address)
         pooled = None if pool is None else pool.take(loop.time())
@@ -408,7 +419,7 @@ class Upstream:
             raise
         return connection
 
-    async def _connect(self, address: Address, loop: asyncio.AbstractEventLoop) -> _Connection:
+    async def _connect(self, address: Origin, loop: asyncio.AbstractEventLoop) -> _Connection:
         try:
             async with asyncio.timeout(self._connect_timeout):
                 _, protocol = await loop.create_connection(
@@ -445,7 +456,7 @@ class _Exchange:
 
     __slots__ = ("_address", "_body", "_connection", "_head", "_upstream")
 
-    def __init__(self, upstream: Upstream, address: Address, head: bytes, body: bytes | None):
+    def __init__(self, upstream: Upstream, address: Origin, head: bytes, body: bytes | None):
         self._upstream = upstream
         self._address = address
         self._head = head
@@ -478,10 +489,11 @@ class _Exchange:
 
 def _request_head(
     method: str,
-    address: Address,
+    address: Origin,
     path: str,
     body: bytes | None,
     headers: Mapping[str, str],
+    user_agent_line: str,
 ) -> bytes:
     # One text, encoded once: this runs twice per request.
     parts = [method, " ", path, " HTTP/1.1\r\nHost: ", str(address), "\r\n"]
@@ -492,7 +504,7 @@ def _request_head(
         parts.append(": ")
         parts.append(value)
         parts.append("\r\n")
-    parts.append(_USER_AGENT_LINE)
+    parts.append(user_agent_line)
     if body is not None:
         parts.append("Content-Length: ")
         parts.append(str(len(body)))

@@ -55,7 +55,7 @@ async def _registry_main(
         shared.state_endpoint,
         shared.control_endpoint,
         shared.admin_state,
-        Metrics(shared=True),
+        Metrics(shared_dir=shared.metrics_dir),
         restarted=restarted,
     )
     await hub.run(started, stop)
@@ -71,15 +71,16 @@ def run_http_worker(
     started: Callable[[], None],
 ) -> None:
     signal.signal(signal.SIGINT, signal.SIG_IGN)
-    from pdproxy.cli import raise_descriptor_limit
+    from pdproxy.multiworker.registry_link import RegistryProcessCopy
     from pdproxy.proxy.app import create_app
     from pdproxy.proxy.draining import run_server
+    from pdproxy.single_process import raise_descriptor_limit
 
     configure_logging(settings.log_level, settings.log_format)
     raise_descriptor_limit()
     _stop_when_orphaned(supervisor, signal.SIGTERM)
     listener = reuse_port_socket(settings.host, port)
-    app = create_app(settings, shared)
+    app = create_app(settings, RegistryProcessCopy(shared))
     log.info(
         "HTTP worker %d (pid %d, start %d) listening on %s:%d",
         index,

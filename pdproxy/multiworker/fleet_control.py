@@ -1,5 +1,5 @@
-"""The admin API's way to the owner of the table and the drained set: in this process
-(`LocalControl`), or in the registry process when HTTP workers share one (`RemoteControl`)."""
+"""The admin API's way to the registry process, which owns the table and the drained set when
+HTTP workers share one (`--workers` > 1); the in-process way is pdproxy.registry.control."""
 
 from __future__ import annotations
 
@@ -7,40 +7,20 @@ import asyncio
 import dataclasses
 import logging
 import time
-from typing import Protocol
 
 import zmq
 import zmq.asyncio
 
-from pdproxy.multiworker.shared_state import ControlReply, ControlRequest, decode, encode
+from pdproxy.multiworker.shared_state import decode, encode
 from pdproxy.multiworker.table_mirror import TableMirror
-from pdproxy.proxy.rotation import Rotation
-from pdproxy.registry.operator import FleetOperator
+from pdproxy.registry.control import ControlUnavailable
+from pdproxy.registry.operator import ControlReply, ControlRequest
 
 log = logging.getLogger("pdproxy")
 
 # How long an admin request waits for the registry process, then for this worker's copy to show
 # the change (so the same client reads its own write).
 CONTROL_TIMEOUT_SECONDS = 5.0
-
-
-class ControlUnavailable(Exception):
-    """The registry process did not answer in time."""
-
-
-class FleetControl(Protocol):
-    async def apply(self, request: ControlRequest) -> ControlReply: ...
-
-
-class LocalControl:
-    def __init__(self, operator: FleetOperator, rotation: Rotation) -> None:
-        self._operator = operator
-        self._rotation = rotation
-
-    async def apply(self, request: ControlRequest) -> ControlReply:
-        done, refusal = self._operator.apply(request)
-        self._rotation.drained = self._operator.drained
-        return ControlReply(done, 0, refusal)
 
 
 class RemoteControl:

@@ -29,15 +29,8 @@ import zmq.asyncio
 
 from pdproxy.config import Settings
 from pdproxy.metrics import Metrics
-from pdproxy.multiworker.shared_state import (
-    AdminState,
-    ControlReply,
-    ControlRequest,
-    SharedState,
-    decode,
-    encode,
-)
-from pdproxy.registry.operator import FleetOperator
+from pdproxy.multiworker.shared_state import SharedState, decode, encode
+from pdproxy.registry.operator import AdminState, ControlReply, ControlRequest, FleetOperator
 from pdproxy.registry.seeded import seeded_table
 from pdproxy.registry.server import RegistryServer
 from pdproxy.registry.table import LOAD_REFRESH_SECONDS

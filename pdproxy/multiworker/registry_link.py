@@ -1,40 +1,23 @@
-"""How an HTTP process reaches the registry: it runs it itself (`LocalRegistry`, one process),
-or it keeps a copy of the registry process's table and sends the admin API's changes there
-(`RegistryCopy`, one of several HTTP workers)."""
+"""How an HTTP worker of a multi-worker proxy reaches the registry: it keeps a copy of the
+registry process's table and sends the admin API's changes there (`RegistryCopy`, built by
+`RegistryProcessCopy`, the worker's `RegistrySide`)."""
 
 from __future__ import annotations
 
 import logging
-from typing import Protocol
+from collections.abc import Callable
 
 import zmq.asyncio
 
+from pdproxy.config import Settings
 from pdproxy.metrics import Metrics
-from pdproxy.multiworker.fleet_control import FleetControl, LocalControl, RemoteControl
+from pdproxy.multiworker.fleet_control import RemoteControl
 from pdproxy.multiworker.paths import SharedPaths
 from pdproxy.multiworker.table_mirror import TableMirror
-from pdproxy.proxy.rotation import Rotation
-from pdproxy.registry.operator import FleetOperator
-from pdproxy.registry.server import RegistryServer
+from pdproxy.registry.control import DrainedSink, RegistryLink
 from pdproxy.registry.table import RegistryTable
 
 log = logging.getLogger("pdproxy")
-
-
-class RegistryLink(Protocol):
-    @property
-    def control(self) -> FleetControl: ...
-
-    async def stop(self) -> None: ...
-
-
-class LocalRegistry:
-    def __init__(self, registry: RegistryServer, table: RegistryTable, rotation: Rotation) -> None:
-        self._registry = registry
-        self.control = LocalControl(FleetOperator(registry, table), rotation)
-
-    async def stop(self) -> None:
-        await self._registry.stop()
 
 
 # A worker starts listening only once it holds the registry's table (republished every two
@@ -45,10 +28,10 @@ FIRST_COPY_GRACE_SECONDS = 3.0
 
 class RegistryCopy:
     def __init__(
-        self, shared: SharedPaths, table: RegistryTable, rotation: Rotation, metrics: Metrics
+        self, shared: SharedPaths, table: RegistryTable, on_drained: DrainedSink, metrics: Metrics
     ) -> None:
         self._context = zmq.asyncio.Context()
-        self._mirror = TableMirror(shared.state_endpoint, self._context, table, rotation, metrics)
+        self._mirror = TableMirror(shared.state_endpoint, self._context, table, on_drained, metrics)
         self._mirror.start()
         self.control = RemoteControl(shared.control_endpoint, self._context, self._mirror)
 
@@ -60,3 +43,24 @@ class RegistryCopy:
     async def stop(self) -> None:
         await self._mirror.stop()
         self._context.term()
+
+
+class RegistryProcessCopy:
+    """An HTTP worker's `RegistrySide`: the registry process owns the table; this process holds
+    a copy, and its metrics are shared with the other processes."""
+
+    def __init__(self, shared: SharedPaths) -> None:
+        self._shared = shared
+        self.shared_metrics_dir: str | None = shared.metrics_dir
+
+    def make_table(
+        self, settings: Settings, metrics: Metrics, clock: Callable[[], float]
+    ) -> RegistryTable:
+        return RegistryTable(settings.ttl, settings.max_instances)
+
+    async def attach(
+        self, settings: Settings, table: RegistryTable, on_drained: DrainedSink, metrics: Metrics
+    ) -> RegistryLink:
+        copy = RegistryCopy(self._shared, table, on_drained, metrics)
+        await copy.first_copy(settings.ttl)  # before the lifespan ends: before it listens
+        return copy

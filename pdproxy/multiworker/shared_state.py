@@ -11,54 +11,18 @@ as trusted as the process itself. Nothing from the network is ever unpickled.
 
 from __future__ import annotations
 
-import math
 import pickle
 from dataclasses import dataclass
-from enum import StrEnum
 from typing import TypeVar
 
-from pdproxy.ids import Address
-from pdproxy.registry.table import Entry, Instance
+from pdproxy.registry.operator import AdminState, ControlReply, ControlRequest
+from pdproxy.registry.table import Entry
 
 
 @dataclass(frozen=True, slots=True)
 class SharedState:
     revision: int  # rises with every change, across restarts of the registry process
     entries: tuple[Entry, ...]
-    drained: frozenset[str]
-
-
-class Operation(StrEnum):
-    REGISTER = "register"
-    REMOVE = "remove"
-    DRAIN = "drain"
-    UNDRAIN = "undrain"
-
-
-@dataclass(frozen=True, slots=True)
-class ControlRequest:
-    operation: Operation
-    instance: Instance | None = None  # REGISTER
-    address: Address | None = None  # REMOVE, DRAIN, UNDRAIN
-    # time.monotonic() (one clock for all processes of the host) past which the worker has
-    # answered 503: a request that reaches the registry process later is never applied.
-    expires_at: float = math.inf
-
-
-@dataclass(frozen=True, slots=True)
-class ControlReply:
-    done: bool  # False: nothing to remove, drain or undrain
-    revision: int
-    refusal: str | None = None  # REGISTER refused (the registry is full, a static conflict)
-    unavailable: str | None = None  # not applied at all, try again later (and why)
-
-
-@dataclass(frozen=True, slots=True)
-class AdminState:
-    """What only an operator said, kept in the shared directory so that a registry process
-    started again knows it: instances registered through the admin API, the drained set."""
-
-    registered: tuple[Instance, ...]
     drained: frozenset[str]
 
 

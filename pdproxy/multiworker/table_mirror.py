@@ -14,7 +14,7 @@ import zmq.asyncio
 
 from pdproxy.metrics import Metrics
 from pdproxy.multiworker.shared_state import SharedState, decode
-from pdproxy.proxy.rotation import Rotation
+from pdproxy.registry.control import DrainedSink
 from pdproxy.registry.table import RegistryTable
 
 log = logging.getLogger("pdproxy.registry")
@@ -31,13 +31,13 @@ class TableMirror:
         endpoint: str,
         context: zmq.asyncio.Context,
         table: RegistryTable,
-        rotation: Rotation,
+        on_drained: DrainedSink,
         metrics: Metrics,
     ) -> None:
         self._endpoint = endpoint
         self._context = context
         self._table = table
-        self._rotation = rotation
+        self._on_drained = on_drained
         self._metrics = metrics
         self.revision = -1  # none received yet
         self._received = asyncio.Event()
@@ -75,7 +75,7 @@ class TableMirror:
             self._metrics.instance_joined(name)
         for name in before - after:
             self._metrics.instance_left(name)
-        self._rotation.drained = state.drained
+        self._on_drained(state.drained)
         self.revision = state.revision
         self._received.set()
         self._received = asyncio.Event()

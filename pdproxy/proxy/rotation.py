@@ -57,6 +57,10 @@ class Rotation:
         self._retained_version = -1
         self._retry_after = ((b"retry-after", str(settings.retry_after_seconds).encode()),)
 
+    def set_drained(self, drained: frozenset[str]) -> None:
+        """The operator's drained set, from whoever owns it (pdproxy.registry.control)."""
+        self.drained = drained
+
     def out_of_rotation(self, now: float) -> frozenset[str]:
         """Instances that are not healthy to route to: ejected or drained (readiness)."""
         ejected = self._outliers.ejected(now)

@@ -5,8 +5,9 @@ from __future__ import annotations
 
 import asyncio
 import logging
+from collections.abc import Callable
 from dataclasses import dataclass
-from typing import TYPE_CHECKING, Any, Literal
+from typing import Any, Literal
 
 import orjson
 from fastapi import FastAPI, Request
@@ -17,18 +18,17 @@ from starlette.exceptions import HTTPException as StarletteHTTPException
 from pdproxy.http.upstream import UpstreamError
 from pdproxy.ids import Address, AddressError, parse_address
 from pdproxy.metrics import CONTENT_TYPE
-from pdproxy.multiworker.fleet_control import ControlUnavailable
-from pdproxy.multiworker.shared_state import ControlReply, ControlRequest, Operation
 from pdproxy.pairing.listing import pairs_report
 from pdproxy.pairing.planner import readiness
+from pdproxy.proxy.credentials import Credentials
 from pdproxy.proxy.errors import error_body
 from pdproxy.proxy.openapi import openapi_document
+from pdproxy.proxy.state import AppState
 from pdproxy.registry.auth import address_allowed, parse_cidrs
+from pdproxy.registry.control import ControlUnavailable
 from pdproxy.registry.messages import Role
+from pdproxy.registry.operator import ControlReply, ControlRequest, Operation
 from pdproxy.registry.table import Entry, Instance, Source
-
-if TYPE_CHECKING:
-    from pdproxy.proxy.app import AppState, PdproxyApp
 
 log = logging.getLogger("pdproxy.routes")
 
@@ -45,14 +45,16 @@ def _error(status: int, message: str, headers: dict[str, str] | None = None) -> 
     return Response(error_body(status, message), status, headers, media_type="application/json")
 
 
-def install_routes(api: FastAPI, app: PdproxyApp) -> None:
+def install_routes(
+    api: FastAPI, current_state: Callable[[], AppState], credentials: Credentials
+) -> None:
     @api.get("/health")
     async def health() -> Response:
         return _json({"status": "ok"})
 
     @api.get("/ready")
     async def ready() -> Response:
-        state = app.state
+        state = current_state()
         if state.admission.draining:
             return _json({"status": "not_ready", "reason": "draining: shutting down"}, 503)
         # Ejected and drained instances do not count: a fleet whose every pair is ejected
@@ -68,7 +70,7 @@ def install_routes(api: FastAPI, app: PdproxyApp) -> None:
 
     @api.get("/v1/instances/pairs")
     async def pairs() -> Response:
-        state = app.state
+        state = current_state()
         return _json({"prefills": pairs_report(state.planner.survey(state.table.snapshot()))})
 
     document = orjson.dumps(openapi_document())
@@ -79,11 +81,11 @@ def install_routes(api: FastAPI, app: PdproxyApp) -> None:
 
     @api.get("/metrics")
     async def metrics() -> Response:
-        return Response(app.state.metrics.render(), media_type=CONTENT_TYPE)
+        return Response(current_state().metrics.render(), media_type=CONTENT_TYPE)
 
     @api.get("/v1/instances")
     async def instances() -> Response:
-        state = app.state
+        state = current_state()
         now = state.clock()
         entries = sorted(state.table.entries(), key=lambda e: (e.instance.role, e.instance.name))
         return _json(
@@ -95,8 +97,8 @@ def install_routes(api: FastAPI, app: PdproxyApp) -> None:
 
     @api.post("/v1/instances")
     async def register(request: Request) -> Response:
-        state = app.state
-        _require_admin(app, request)
+        state = current_state()
+        _require_admin(credentials, request)
         spec = await _registration(request)
         networks = parse_cidrs(state.settings.registry_address_cidrs)
         for address in (spec.http_address, spec.zmq_address) if networks else ():
@@ -116,9 +118,9 @@ def install_routes(api: FastAPI, app: PdproxyApp) -> None:
         name: str, request: Request, operation: Operation, done: str, missing: str
     ) -> Response:
         """Remove, drain or undrain one instance: {done: address}, or 404 saying `missing`."""
-        _require_admin(app, request)
+        _require_admin(credentials, request)
         address = _address(name)
-        reply = await _apply(app.state, ControlRequest(operation, address=address))
+        reply = await _apply(current_state(), ControlRequest(operation, address=address))
         if not reply.done:
             return _error(404, missing.format(address=address))
         return _json({done: str(address)})
@@ -143,7 +145,7 @@ def install_routes(api: FastAPI, app: PdproxyApp) -> None:
 
     @api.get("/v1/models")
     async def models(request: Request) -> Response:
-        state = app.state
+        state = current_state()
         snapshot = state.table.snapshot()
         names = sorted({i.model for i in (*snapshot.prefills, *snapshot.decodes) if i.model})
         if names or not snapshot.decodes:
@@ -232,8 +234,7 @@ def _address(text: str) -> Address:
         raise StarletteHTTPException(400, f"bad address {text[:100]!r}: {exc}") from None
 
 
-def _require_admin(app: PdproxyApp, request: Request) -> None:
-    credentials = app.credentials
+def _require_admin(credentials: Credentials, request: Request) -> None:
     if not credentials.admin_enabled:
         raise StarletteHTTPException(403, "admin endpoints are disabled: no admin token is set")
     if not credentials.admin_allowed(request.headers.get("authorization")):

@@ -4,14 +4,50 @@ the one process of a single-process proxy, in the registry process under `--work
 from __future__ import annotations
 
 import logging
+import math
+from dataclasses import dataclass
+from enum import StrEnum
 
 from pdproxy.ids import Address
-from pdproxy.multiworker.shared_state import AdminState, ControlRequest, Operation
 from pdproxy.registry.messages import Rejected
 from pdproxy.registry.server import RegistryServer
 from pdproxy.registry.table import Instance, RegistryTable
 
 log = logging.getLogger("pdproxy.registry")
+
+
+class Operation(StrEnum):
+    REGISTER = "register"
+    REMOVE = "remove"
+    DRAIN = "drain"
+    UNDRAIN = "undrain"
+
+
+@dataclass(frozen=True, slots=True)
+class ControlRequest:
+    operation: Operation
+    instance: Instance | None = None  # REGISTER
+    address: Address | None = None  # REMOVE, DRAIN, UNDRAIN
+    # time.monotonic() (one clock for all processes of the host) past which the worker has
+    # answered 503: a request that reaches the registry process later is never applied.
+    expires_at: float = math.inf
+
+
+@dataclass(frozen=True, slots=True)
+class ControlReply:
+    done: bool  # False: nothing to remove, drain or undrain
+    revision: int
+    refusal: str | None = None  # REGISTER refused (the registry is full, a static conflict)
+    unavailable: str | None = None  # not applied at all, try again later (and why)
+
+
+@dataclass(frozen=True, slots=True)
+class AdminState:
+    """What only an operator said, kept in the shared directory so that a registry process
+    started again knows it: instances registered through the admin API, the drained set."""
+
+    registered: tuple[Instance, ...]
+    drained: frozenset[str]
 
 
 class FleetOperator:

@@ -73,7 +73,8 @@ class Server:
 
 
 async def with_client(test: Callable[[Upstream], Awaitable[Any]]) -> Any:
-    client = Upstream(Settings(connect_timeout=2))
+    settings = Settings(connect_timeout=2)
+    client = Upstream(settings.connect_timeout, settings.upstream_max_connections, "pdproxy/test")
     await client.start()
     try:
         async with asyncio.timeout(20):
