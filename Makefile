@@ -43,7 +43,7 @@ vllm-env: $(STAMP)
 	@if [ "$${PDPROXY_SKIP_VLLM:-0}" = "1" ]; then \
 		echo "PDPROXY_SKIP_VLLM=1: real-vLLM tests will be skipped"; \
 	else \
-		$(BIN)/python -m pdproxy.testing.vllm_env install; \
+		$(BIN)/python -m tests.harness.vllm_env install; \
 	fi
 
 lint: $(STAMP)

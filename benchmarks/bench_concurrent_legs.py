@@ -2,7 +2,7 @@
 and together with it (concurrent), through pdproxy, on real vLLM (CPU) with pdproxy's connector.
 
 One prefill (core 0) and one decode (core 1) real vLLM server, TP 1, the tiny random-weight
-model of the tests (`pdproxy.testing.vllm_cpu`), announcing to a registry port that a pdproxy
+model of the tests (`tests.harness.vllm_cpu`), announcing to a registry port that a pdproxy
 process binds. The proxy is restarted on the same ports with `--concurrent-decode-connectors
 pdproxy` or `""`, alternately, `--rounds` times; in each round `--requests` streaming
 completions go through it one at a time (prompts of `--prompt-words` words, `max_tokens`
@@ -25,12 +25,13 @@ import time
 import uuid
 from pathlib import Path
 
+import checkout_root  # noqa: F401  (puts the checkout on sys.path, for tests.harness)
 from unwind import run_unwound
 
-from pdproxy.testing.fleet import LocalFleet
-from pdproxy.testing.processes import LOOPBACK, free_ports, wait_until
-from pdproxy.testing.vllm_cpu import MODEL_NAME, VllmServer, running_servers, tiny_model_dir
-from pdproxy.testing.vllm_env import VllmEnv
+from pdproxy.demo.fleet import LocalFleet
+from pdproxy.demo.processes import LOOPBACK, free_ports, wait_until
+from tests.harness.vllm_cpu import MODEL_NAME, VllmServer, running_servers, tiny_model_dir
+from tests.harness.vllm_env import VllmEnv
 
 REGISTRATION_TIMEOUT_S = 60.0
 REQUEST_TIMEOUT_S = 120.0
@@ -75,7 +76,7 @@ def measure(args: argparse.Namespace) -> dict[str, dict[str, list[float]]]:
     env = VllmEnv.default()
     env.ensure()
     work = Path(tempfile.mkdtemp(prefix="pdproxy-bench-legs-"))
-    model = tiny_model_dir(env, work)
+    model = tiny_model_dir(env)
     proxy_port, registry_port, p_http, p_kv, d_http, d_kv = free_ports(6)
     registry = f"{LOOPBACK}:{registry_port}"
     prefill = VllmServer("vllm-P", "kv_producer", p_http, p_kv, work, registry, cpu="0")

@@ -377,7 +377,7 @@ def run_sender(args: argparse.Namespace) -> None:
 def run_receiver(args: argparse.Namespace) -> None:
     import torch
 
-    from pdproxy.testing.processes import free_port
+    from pdproxy.demo.processes import free_port
     from pdproxy.vllm_side.kv import CacheFormat, gather_kv, wire_to_bytes
     from pdproxy.vllm_side.kv_buffer import Loss, Payload, TransferBuffer
     from pdproxy.vllm_side.kv_schedule import LoadSpec

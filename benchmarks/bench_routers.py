@@ -49,6 +49,7 @@ from dataclasses import dataclass
 from pathlib import Path
 from typing import Any
 
+import checkout_root  # noqa: F401  (puts the checkout on sys.path, for tests.harness)
 from arg_types import positive_int, positive_ints
 from bench_proxy import (
     _PREEXEC,
@@ -78,7 +79,7 @@ from fast_backend import MAX_STREAM_EVENTS
 from router_env import ROUTER_PINS, RouterEnv, RouterEnvError
 from unwind import run_unwound, write_json_report
 
-from pdproxy.testing.stream_crowd import (
+from tests.harness.stream_crowd import (
     DEFAULT_CONNECT_LIMIT,
     CrowdError,
     CrowdTarget,

@@ -1,10 +1,10 @@
 """Benchmark: thousands of concurrent SSE streams held open through pdproxy, memory per stream.
 
 Starts a local fleet on 127.0.0.1 (``pdproxy serve`` plus fake P and D workers, each its own
-process, from ``pdproxy.testing.fleet``); the decode workers sleep ``--token-latency-ms`` before
+process, from ``pdproxy.demo.fleet``); the decode workers sleep ``--token-latency-ms`` before
 each token, so streams stay open. After a small warm-up it reads the proxy's RSS, opens
 ``--streams`` streaming ``/v1/completions`` requests at once from one event loop (raw asyncio
-streams, ``pdproxy.testing.stream_crowd``), and once every stream has its first SSE event reads
+streams, ``tests.harness.stream_crowd``), and once every stream has its first SSE event reads
 the RSS again; then it lets every stream run to ``data: [DONE]``, checks each one, and reads the
 RSS a last time. Reports RSS before/held/after, KiB per held stream, the time to open all
 streams, and the chunks per second relayed while all were open (with the proxy's CPU per chunk).
@@ -40,12 +40,13 @@ from dataclasses import asdict, dataclass
 from pathlib import Path
 from typing import Any
 
+import checkout_root  # noqa: F401  (puts the checkout on sys.path, for tests.harness)
 from arg_types import positive_int
 from unwind import run_unwound, write_json_report
 
-from pdproxy.testing.fleet import LocalFleet, WorkerSpec
-from pdproxy.testing.processes import LOOPBACK, http_get, wait_until
-from pdproxy.testing.stream_crowd import (
+from pdproxy.demo.fleet import LocalFleet, WorkerSpec
+from pdproxy.demo.processes import LOOPBACK, http_get, wait_until
+from tests.harness.stream_crowd import (
     DEFAULT_CONNECT_LIMIT,
     CrowdError,
     CrowdTarget,

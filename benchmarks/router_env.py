@@ -26,8 +26,10 @@ from dataclasses import dataclass, field
 from pathlib import Path
 from typing import IO
 
-from pdproxy.testing.install_step import run_install_step
-from pdproxy.testing.vllm_env import _exclusive, cache_root
+import checkout_root  # noqa: F401  (puts the checkout on sys.path, for tests.harness)
+
+from tests.harness.install_step import run_install_step
+from tests.harness.vllm_env import _exclusive, cache_root
 
 # The versions compared; both install on Python 3.11 from PyPI as prebuilt abi3 wheels.
 ROUTER_PINS: dict[str, str] = {"vllm-router": "0.1.17", "sglang-router": "0.3.2"}

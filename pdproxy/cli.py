@@ -51,7 +51,8 @@ def _run_serve(args: argparse.Namespace) -> int:
 
 
 def build_parser() -> argparse.ArgumentParser:
-    from pdproxy.testing import demo, fake_worker
+    from pdproxy import fake_vllm
+    from pdproxy.demo import run as demo
     from pdproxy.vllm_side import announce
 
     parser = argparse.ArgumentParser(
@@ -73,7 +74,7 @@ def build_parser() -> argparse.ArgumentParser:
     serve_parser.set_defaults(func=_run_serve)
     announce.add_cli(commands)
     demo.add_cli(commands)
-    fake_worker.add_cli(commands)
+    fake_vllm.add_cli(commands)
     return parser
 
 

@@ -8,7 +8,7 @@ from pathlib import Path
 
 import pytest
 
-from pdproxy.testing.fleet import LocalFleet, WorkerSpec
+from pdproxy.demo.fleet import LocalFleet, WorkerSpec
 
 FleetFactory = Callable[..., LocalFleet]
 

@@ -18,7 +18,7 @@ import yaml
 
 from pdproxy.cli import build_parser
 from pdproxy.config import Settings, load_settings
-from pdproxy.testing.processes import (
+from pdproxy.demo.processes import (
     LOOPBACK,
     ManagedProcess,
     free_ports,

@@ -28,7 +28,7 @@ from typing import Any
 
 import pytest
 
-from pdproxy.testing.processes import LOOPBACK, free_port, http_get, http_json, wait_until
+from pdproxy.demo.processes import LOOPBACK, free_port, http_get, http_json, wait_until
 from tests.deploy.support import REPO, flag_value, parse_pdproxy, serve_settings
 
 SCRIPT = REPO / "deploy" / "bare-metal" / "xpyd.sh"

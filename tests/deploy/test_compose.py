@@ -11,8 +11,8 @@ import yaml
 
 from pdproxy import __version__
 from pdproxy.config import Settings
-from pdproxy.testing.fake_worker.arguments import config_from_args
-from pdproxy.testing.fake_worker.config import WorkerConfig
+from pdproxy.fake_vllm.arguments import config_from_args
+from pdproxy.fake_vllm.config import WorkerConfig
 from tests.deploy.support import REPO, parse_pdproxy, read_dockerfile, serve_settings
 
 DEPLOY = REPO / "deploy"

@@ -13,12 +13,12 @@ from typing import Any
 import pytest
 from prometheus_client.parser import text_string_to_metric_families
 
+from pdproxy.demo.fleet import WorkerSpec
+from pdproxy.demo.processes import wait_until
 from pdproxy.metrics import LEG_ROLES, Metrics
 from pdproxy.proxy.entry import COMPLETION_PATHS, COUNTED_PATHS
 from pdproxy.registry.messages import Role
 from pdproxy.reliability.outlier import Circuit
-from pdproxy.testing.fleet import WorkerSpec
-from pdproxy.testing.processes import wait_until
 from tests.conftest import FleetFactory
 from tests.deploy.support import REPO
 

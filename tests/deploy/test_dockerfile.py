@@ -19,7 +19,7 @@ import pytest
 from pdproxy import __version__
 from pdproxy.compiled import COMPILED_MODULES
 from pdproxy.config import Settings
-from pdproxy.testing.processes import LOOPBACK, ManagedProcess, free_ports, wait_http_ok
+from pdproxy.demo.processes import LOOPBACK, ManagedProcess, free_ports, wait_http_ok
 from tests.deploy.support import CHART, REPO, Stage, key_values, read_dockerfile
 
 DOCKERFILE = REPO / "Dockerfile"

@@ -18,12 +18,12 @@ import pytest
 import yaml
 
 from pdproxy.config import ENV_PREFIX, Settings
+from pdproxy.demo.processes import http_get
 from pdproxy.proxy.app import PdproxyApp
 from pdproxy.proxy.credentials import Credentials
 from pdproxy.proxy.draining import FINAL_GRACE_SECONDS
 from pdproxy.proxy.entry import COMPLETION_PATHS
 from pdproxy.registry.auth import Verifier, new_nonce, signed
-from pdproxy.testing.processes import http_get
 from pdproxy.vllm_side.announce import registry_secret
 from pdproxy.vllm_side.connector_settings import connector_settings
 from pdproxy.vllm_side.secret import SECRET_ENV, read_secret_file

@@ -13,7 +13,7 @@ from dataclasses import dataclass
 from typing import Any
 from urllib.parse import urlsplit
 
-from pdproxy.testing.processes import http_get
+from pdproxy.demo.processes import http_get
 
 
 @dataclass

@@ -18,8 +18,8 @@ from typing import Any
 
 import pytest
 
-from pdproxy.testing.fleet import LocalFleet
-from pdproxy.testing.processes import (
+from pdproxy.demo.fleet import LocalFleet
+from pdproxy.demo.processes import (
     LOOPBACK,
     ManagedProcess,
     free_port,

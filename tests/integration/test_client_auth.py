@@ -10,8 +10,8 @@ from urllib.parse import urlsplit
 
 import pytest
 
-from pdproxy.testing.fleet import LocalFleet, WorkerSpec
-from pdproxy.testing.processes import (
+from pdproxy.demo.fleet import LocalFleet, WorkerSpec
+from pdproxy.demo.processes import (
     ManagedProcess,
     free_ports,
     http_get,

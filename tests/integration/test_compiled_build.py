@@ -13,7 +13,7 @@ import subprocess
 from pathlib import Path
 
 from pdproxy.compiled import COMPILED_MODULES, build_description, compiled_modules
-from pdproxy.testing.processes import ManagedProcess, pdproxy_command
+from pdproxy.demo.processes import ManagedProcess, pdproxy_command
 
 EXPECT_COMPILED = os.environ.get("PDPROXY_EXPECT_COMPILED") == "1"
 

@@ -13,8 +13,8 @@ from typing import Any
 
 import pytest
 
-from pdproxy.testing.fleet import LocalFleet, Worker, WorkerSpec
-from pdproxy.testing.processes import wait_until
+from pdproxy.demo.fleet import LocalFleet, Worker, WorkerSpec
+from pdproxy.demo.processes import wait_until
 from tests.conftest import FleetFactory
 from tests.integration.support import metric_value, post_json, set_behaviour
 

@@ -5,7 +5,7 @@ from __future__ import annotations
 import subprocess
 from pathlib import Path
 
-from pdproxy.testing.processes import ManagedProcess, free_ports, pdproxy_command
+from pdproxy.demo.processes import ManagedProcess, free_ports, pdproxy_command
 
 
 def test_demo_once_exits_zero(tmp_path: Path) -> None:

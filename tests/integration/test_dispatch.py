@@ -13,9 +13,9 @@ import aiohttp
 import openai
 import pytest
 
+from pdproxy.demo.fleet import LocalFleet, WorkerSpec
+from pdproxy.demo.processes import wait_until
 from pdproxy.ids import VLLM_DECODE_SIDE, VLLM_PREFILL_SIDE, parse_request_id
-from pdproxy.testing.fleet import LocalFleet, WorkerSpec
-from pdproxy.testing.processes import wait_until
 from tests.conftest import FleetFactory
 from tests.integration.support import (
     metric_value,

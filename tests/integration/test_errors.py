@@ -12,8 +12,8 @@ from urllib.parse import urlsplit
 
 import pytest
 
-from pdproxy.testing.fleet import LocalFleet, Worker, WorkerSpec
-from pdproxy.testing.processes import free_ports
+from pdproxy.demo.fleet import LocalFleet, Worker, WorkerSpec
+from pdproxy.demo.processes import free_ports
 from tests.conftest import FleetFactory
 from tests.integration import support
 from tests.integration.support import (

@@ -13,8 +13,8 @@ import msgpack
 import pytest
 import zmq
 
-from pdproxy.testing.fleet import LocalFleet, Worker, WorkerSpec
-from pdproxy.testing.processes import (
+from pdproxy.demo.fleet import LocalFleet, Worker, WorkerSpec
+from pdproxy.demo.processes import (
     ManagedProcess,
     free_ports,
     http_json,

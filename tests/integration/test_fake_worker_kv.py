@@ -14,11 +14,19 @@ from typing import Any
 import msgpack
 import pytest
 
-from pdproxy.testing.fake_worker.config import Geometry
-from pdproxy.testing.fake_worker.deterministic_text import generated_words
-from pdproxy.testing.fake_worker.kv_compat import incompatibility
-from pdproxy.testing.fake_worker.kv_payload import KvPayload
-from pdproxy.testing.fake_worker.kv_wire import (
+from pdproxy.demo.processes import (
+    LOOPBACK,
+    ManagedProcess,
+    free_ports,
+    http_json,
+    pdproxy_command,
+    wait_http_ok,
+)
+from pdproxy.fake_vllm.config import Geometry
+from pdproxy.fake_vllm.deterministic_text import generated_words
+from pdproxy.fake_vllm.kv_compat import incompatibility
+from pdproxy.fake_vllm.kv_payload import KvPayload
+from pdproxy.fake_vllm.kv_wire import (
     MAX_KV_MESSAGE_BYTES,
     Message,
     Pull,
@@ -27,14 +35,6 @@ from pdproxy.testing.fake_worker.kv_wire import (
     WireError,
     decode,
     encode,
-)
-from pdproxy.testing.processes import (
-    LOOPBACK,
-    ManagedProcess,
-    free_ports,
-    http_json,
-    pdproxy_command,
-    wait_http_ok,
 )
 from tests.integration.support import Answer, post_json
 

@@ -14,8 +14,8 @@ from typing import Any
 
 import aiohttp
 
-from pdproxy.testing.fleet import LocalFleet, Worker, WorkerSpec
-from pdproxy.testing.processes import http_json, wait_until
+from pdproxy.demo.fleet import LocalFleet, Worker, WorkerSpec
+from pdproxy.demo.processes import http_json, wait_until
 from tests.conftest import FleetFactory
 from tests.integration.support import metric_value, set_behaviour
 

@@ -5,8 +5,8 @@ from __future__ import annotations
 
 import signal
 
-from pdproxy.testing.fleet import WorkerSpec
-from pdproxy.testing.processes import http_get, http_json, wait_until
+from pdproxy.demo.fleet import WorkerSpec
+from pdproxy.demo.processes import http_get, http_json, wait_until
 from tests.conftest import FleetFactory
 from tests.integration.support import post_json
 

@@ -17,10 +17,10 @@ import yaml
 import zmq
 from prometheus_client.parser import text_string_to_metric_families
 
+from pdproxy.demo.fleet import LocalFleet, Worker, WorkerSpec
+from pdproxy.demo.processes import http_get, wait_until
 from pdproxy.registry.auth import new_nonce, signed
 from pdproxy.registry.messages import Stats, decode_frame
-from pdproxy.testing.fleet import LocalFleet, Worker, WorkerSpec
-from pdproxy.testing.processes import http_get, wait_until
 from pdproxy.vllm_side.announcement import TransferStat, stats_message
 from pdproxy.vllm_side.stats_reporter import StatsReporter
 from tests.conftest import FleetFactory

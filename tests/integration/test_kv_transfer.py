@@ -9,8 +9,8 @@ from collections.abc import Iterator
 import pytest
 import torch
 
+from pdproxy.demo.processes import free_ports, wait_until
 from pdproxy.pairing.geometry import KvGeometry, KvLayout
-from pdproxy.testing.processes import free_ports, wait_until
 from pdproxy.vllm_side.kv import CacheFormat
 from pdproxy.vllm_side.kv_buffer import TransferBuffer
 from pdproxy.vllm_side.kv_keys import transfer_key

@@ -13,8 +13,8 @@ from dataclasses import dataclass
 import pytest
 import torch
 
+from pdproxy.demo.processes import free_port_run, wait_until
 from pdproxy.pairing.geometry import KvGeometry, KvLayout
-from pdproxy.testing.processes import free_port_run, wait_until
 from pdproxy.vllm_side.kv import CacheFormat, gather_kv, plan_reads, scatter_kv
 from pdproxy.vllm_side.kv_buffer import TransferBuffer
 from pdproxy.vllm_side.kv_keys import TransferKey, transfer_key

@@ -13,8 +13,8 @@ from typing import Any
 import pytest
 import torch
 
+from pdproxy.demo.processes import free_port, free_port_run, wait_until
 from pdproxy.pairing.geometry import KvGeometry, KvLayout
-from pdproxy.testing.processes import free_port, free_port_run, wait_until
 from pdproxy.vllm_side.kv import CacheFormat, gather_kv, scatter_kv, wire_from_bytes
 from pdproxy.vllm_side.kv_buffer import Loss, Transfer, TransferBuffer
 from pdproxy.vllm_side.kv_keys import transfer_key

@@ -17,9 +17,10 @@ from dataclasses import dataclass
 
 import pytest
 
-from pdproxy.testing.fleet import LocalFleet, WorkerSpec
-from pdproxy.testing.processes import LOOPBACK, http_get, wait_until
-from pdproxy.testing.stream_crowd import (
+from pdproxy.demo.fleet import LocalFleet, WorkerSpec
+from pdproxy.demo.processes import LOOPBACK, http_get, wait_until
+from tests.conftest import FleetFactory
+from tests.harness.stream_crowd import (
     CrowdTarget,
     StreamCrowd,
     StreamRecord,
@@ -29,7 +30,6 @@ from pdproxy.testing.stream_crowd import (
     sse_events,
     stream_problems,
 )
-from tests.conftest import FleetFactory
 
 MODEL = "fake-model"
 STREAMS = 2000

@@ -6,8 +6,8 @@ from __future__ import annotations
 import json
 from typing import Any
 
-from pdproxy.testing.fleet import LocalFleet, WorkerSpec
-from pdproxy.testing.processes import wait_until
+from pdproxy.demo.fleet import LocalFleet, WorkerSpec
+from pdproxy.demo.processes import wait_until
 from tests.conftest import FleetFactory
 from tests.integration.support import post_json, set_behaviour
 

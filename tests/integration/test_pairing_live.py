@@ -7,9 +7,9 @@ import json
 from collections import Counter
 from typing import Any
 
+from pdproxy.demo.fleet import LocalFleet, WorkerSpec
+from pdproxy.demo.processes import http_get, http_json, wait_until
 from pdproxy.ids import parse_request_id
-from pdproxy.testing.fleet import LocalFleet, WorkerSpec
-from pdproxy.testing.processes import http_get, http_json, wait_until
 from tests.conftest import FleetFactory
 from tests.integration.support import metric_value, post_json, set_behaviour
 

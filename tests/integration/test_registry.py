@@ -11,8 +11,8 @@ import msgpack
 import pytest
 import zmq
 
-from pdproxy.testing.fleet import LocalFleet
-from pdproxy.testing.processes import http_get, http_json, wait_until
+from pdproxy.demo.fleet import LocalFleet
+from pdproxy.demo.processes import http_get, http_json, wait_until
 from tests.conftest import FleetFactory
 from tests.integration.support import metric_value
 

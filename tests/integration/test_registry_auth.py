@@ -14,9 +14,9 @@ import pytest
 import yaml
 import zmq
 
+from pdproxy.demo.fleet import LocalFleet, WorkerSpec
+from pdproxy.demo.processes import http_get, http_json, wait_until
 from pdproxy.registry.auth import new_nonce, signed
-from pdproxy.testing.fleet import LocalFleet, WorkerSpec
-from pdproxy.testing.processes import http_get, http_json, wait_until
 from tests.conftest import FleetFactory
 from tests.integration.support import metric_value, post_json
 

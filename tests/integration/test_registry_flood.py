@@ -24,9 +24,8 @@ import pytest
 import yaml
 import zmq
 
-from pdproxy.registry.auth import new_nonce, signed
-from pdproxy.testing.fleet import LocalFleet
-from pdproxy.testing.processes import (
+from pdproxy.demo.fleet import LocalFleet
+from pdproxy.demo.processes import (
     LOOPBACK,
     ManagedProcess,
     free_ports,
@@ -34,6 +33,7 @@ from pdproxy.testing.processes import (
     pdproxy_command,
     wait_until,
 )
+from pdproxy.registry.auth import new_nonce, signed
 from tests.conftest import FleetFactory
 from tests.integration.support import metric_value
 

@@ -31,10 +31,10 @@ import pytest
 import yaml
 import zmq
 
+from pdproxy.demo.fleet import LocalFleet
+from pdproxy.demo.processes import http_get, wait_until
 from pdproxy.registry.auth import new_nonce, signed
 from pdproxy.registry.messages import Reason, Rejected, decode_frame
-from pdproxy.testing.fleet import LocalFleet
-from pdproxy.testing.processes import http_get, wait_until
 from tests.conftest import FleetFactory
 from tests.integration.support import metric_value
 

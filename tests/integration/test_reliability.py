@@ -8,10 +8,10 @@ import threading
 import time
 from typing import Any
 
+from pdproxy.demo.fleet import COMPLETION_PATHS as PATHS
+from pdproxy.demo.fleet import LocalFleet, Worker, WorkerSpec
+from pdproxy.demo.processes import http_get, http_json, wait_until
 from pdproxy.ids import parse_request_id
-from pdproxy.testing.fleet import COMPLETION_PATHS as PATHS
-from pdproxy.testing.fleet import LocalFleet, Worker, WorkerSpec
-from pdproxy.testing.processes import http_get, http_json, wait_until
 from tests.conftest import FleetFactory
 from tests.integration.support import (
     Answer,

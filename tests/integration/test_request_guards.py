@@ -13,8 +13,8 @@ from typing import Any
 
 import pytest
 
-from pdproxy.testing.fleet import LocalFleet, WorkerSpec
-from pdproxy.testing.processes import LOOPBACK, free_ports, wait_until
+from pdproxy.demo.fleet import LocalFleet, WorkerSpec
+from pdproxy.demo.processes import LOOPBACK, free_ports, wait_until
 from tests.conftest import FleetFactory
 from tests.integration.support import (
     Answer,

@@ -12,9 +12,9 @@ from hypothesis import HealthCheck, given, settings
 from schemathesis import checks
 from schemathesis.generation import GenerationMode
 
+from pdproxy.demo.fleet import LocalFleet, WorkerSpec
+from pdproxy.demo.processes import http_json
 from pdproxy.proxy.openapi import openapi_document
-from pdproxy.testing.fleet import LocalFleet, WorkerSpec
-from pdproxy.testing.processes import http_json
 
 
 @pytest.fixture(scope="module")

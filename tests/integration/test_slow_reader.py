@@ -22,11 +22,11 @@ from pathlib import Path
 
 import pytest
 
+from pdproxy.demo.fleet import LocalFleet
+from pdproxy.demo.processes import http_get, wait_until
 from pdproxy.proxy.exchange import LAST_EVENT_SECONDS
-from pdproxy.testing.fleet import LocalFleet
-from pdproxy.testing.processes import http_get, wait_until
-from pdproxy.testing.stream_crowd import rss_kib
 from tests.conftest import FleetFactory
+from tests.harness.stream_crowd import rss_kib
 from tests.integration.support import ScriptedUpstream, json_answer, metric_value
 
 COMPLETIONS = "/v1/completions"

@@ -28,7 +28,7 @@ from dataclasses import dataclass, field
 
 import pytest
 
-from pdproxy.testing.fleet import LocalFleet
+from pdproxy.demo.fleet import LocalFleet
 from tests.integration.http_harness import Response, ResponseReader
 
 LOOPBACK = "127.0.0.1"

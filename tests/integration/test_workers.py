@@ -14,8 +14,8 @@ from typing import Any
 
 import pytest
 
-from pdproxy.testing.fleet import LocalFleet, WorkerSpec
-from pdproxy.testing.processes import (
+from pdproxy.demo.fleet import LocalFleet, WorkerSpec
+from pdproxy.demo.processes import (
     LOOPBACK,
     ManagedProcess,
     free_ports,

@@ -12,10 +12,10 @@ from typing import Any
 import msgpack
 import pytest
 
+from pdproxy.fake_vllm.announce import announce_message as fake_announce_message
+from pdproxy.fake_vllm.config import Geometry, WorkerConfig
 from pdproxy.ids import Address
 from pdproxy.registry.messages import MAX_MODEL_LEN, Announcement, decode_frame
-from pdproxy.testing.fake_worker.announce import announce_message as fake_announce_message
-from pdproxy.testing.fake_worker.config import Geometry, WorkerConfig
 from pdproxy.vllm_side.announce import (
     ContextLengthProbe,
     add_cli,

@@ -8,8 +8,8 @@ from typing import Any
 
 import pytest
 
-from pdproxy.testing.fake_worker.generation import parse_generation
-from pdproxy.testing.fake_worker.http_json import ApiError
+from pdproxy.fake_vllm.generation import parse_generation
+from pdproxy.fake_vllm.http_json import ApiError
 
 
 def refusal(body: dict[str, Any], chat: bool, max_model_len: int = 100) -> ApiError:

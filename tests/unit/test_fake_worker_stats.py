@@ -10,12 +10,12 @@ import pytest
 from hypothesis import given, settings
 from hypothesis import strategies as st
 
+from pdproxy.fake_vllm.config import Geometry, WorkerConfig
+from pdproxy.fake_vllm.generation import Generation, Prompt
+from pdproxy.fake_vllm.kv_stats import OUTCOMES, KvStats, split
+from pdproxy.fake_vllm.records import KV_FAILURE_REASONS
 from pdproxy.ids import Address
 from pdproxy.registry.messages import TransferOutcome, parse_transfer
-from pdproxy.testing.fake_worker.config import Geometry, WorkerConfig
-from pdproxy.testing.fake_worker.generation import Generation, Prompt
-from pdproxy.testing.fake_worker.kv_stats import OUTCOMES, KvStats, split
-from pdproxy.testing.fake_worker.records import KV_FAILURE_REASONS
 from pdproxy.vllm_side.announcement import TransferStat
 
 UID = "0123456789abcdef0123456789abcdef"

@@ -10,7 +10,7 @@ from typing import IO
 
 import pytest
 
-from pdproxy.testing.install_step import run_install_step
+from tests.harness.install_step import run_install_step
 
 
 class StepError(RuntimeError):

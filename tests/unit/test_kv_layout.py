@@ -683,8 +683,8 @@ print(" ".join(sorted(checked)))
 
 @pytest.mark.vllm
 def test_cpu_format_matches_vllms_cpu_kernel() -> None:
-    from pdproxy.testing.vllm_env import VllmEnv
     from tests.conftest import vllm_skipped
+    from tests.harness.vllm_env import VllmEnv
 
     if vllm_skipped():
         pytest.skip("PDPROXY_SKIP_VLLM=1")

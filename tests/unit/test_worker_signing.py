@@ -9,11 +9,11 @@ from typing import Any
 
 import pytest
 
+from pdproxy.fake_vllm.announce import announce_message as fake_announce_message
+from pdproxy.fake_vllm.config import Geometry, WorkerConfig
 from pdproxy.ids import Address
 from pdproxy.registry.auth import Verifier
 from pdproxy.registry.messages import Reason, Rejected
-from pdproxy.testing.fake_worker.announce import announce_message as fake_announce_message
-from pdproxy.testing.fake_worker.config import Geometry, WorkerConfig
 from pdproxy.vllm_side.announce import add_cli, registry_secret
 from pdproxy.vllm_side.announcement import WorkerIdentity, WorkerLoad
 from pdproxy.vllm_side.announcer import Announcer, LoadSample

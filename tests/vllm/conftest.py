@@ -17,16 +17,16 @@ from typing import Any
 import openai
 import pytest
 
-from pdproxy.testing.fleet import LocalFleet
-from pdproxy.testing.processes import free_ports, http_json, wait_until
-from pdproxy.testing.vllm_cpu import (
+from pdproxy.demo.fleet import LocalFleet
+from pdproxy.demo.processes import free_ports, http_json, wait_until
+from tests.conftest import vllm_skipped
+from tests.harness.vllm_cpu import (
     VllmServer,
     running_servers,
     tiny_model_dir,
     vllm_id_patterns,
 )
-from pdproxy.testing.vllm_env import VllmEnv
-from tests.conftest import vllm_skipped
+from tests.harness.vllm_env import VllmEnv
 
 REGISTRATION_TIMEOUT_S = 30.0
 CLIENT_TIMEOUT_S = 120.0
@@ -93,8 +93,8 @@ def vllm_env() -> VllmEnv:
 
 
 @pytest.fixture(scope="session")
-def vllm_model(vllm_env: VllmEnv, tmp_path_factory: pytest.TempPathFactory) -> Path:
-    return tiny_model_dir(vllm_env, tmp_path_factory.mktemp("vllm-model"))
+def vllm_model(vllm_env: VllmEnv) -> Path:
+    return tiny_model_dir(vllm_env)
 
 
 @pytest.fixture(scope="session")

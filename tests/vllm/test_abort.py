@@ -6,8 +6,8 @@ import time
 
 import pytest
 
-from pdproxy.testing.processes import wait_until
-from pdproxy.testing.vllm_cpu import MAX_MODEL_LEN, MODEL_NAME
+from pdproxy.demo.processes import wait_until
+from tests.harness.vllm_cpu import MAX_MODEL_LEN, MODEL_NAME
 from tests.vllm.conftest import RealStack, metric_sum
 
 pytestmark = pytest.mark.vllm

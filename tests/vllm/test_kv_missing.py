@@ -15,10 +15,10 @@ from typing import Any
 import openai
 import pytest
 
+from pdproxy.demo.processes import wait_until
 from pdproxy.ids import parse_request_id
-from pdproxy.testing.processes import wait_until
-from pdproxy.testing.vllm_cpu import MODEL_NAME
-from pdproxy.testing.vllm_env import VllmEnv
+from tests.harness.vllm_cpu import MODEL_NAME
+from tests.harness.vllm_env import VllmEnv
 from tests.integration.support import metric_value
 from tests.vllm.conftest import PairStack, pair_stack
 

@@ -11,10 +11,10 @@ from pathlib import Path
 import openai
 import pytest
 
+from pdproxy.demo.processes import http_json, wait_until
 from pdproxy.ids import parse_request_id
-from pdproxy.testing.processes import http_json, wait_until
-from pdproxy.testing.vllm_cpu import MODEL_NAME
-from pdproxy.testing.vllm_env import VllmEnv
+from tests.harness.vllm_cpu import MODEL_NAME
+from tests.harness.vllm_env import VllmEnv
 from tests.integration.support import metric_value
 from tests.vllm.conftest import PairStack, pair_stack
 

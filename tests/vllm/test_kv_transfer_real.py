@@ -9,9 +9,9 @@ from typing import Any
 import openai
 import pytest
 
+from pdproxy.demo.processes import wait_until
 from pdproxy.ids import parse_request_id
-from pdproxy.testing.processes import wait_until
-from pdproxy.testing.vllm_cpu import MODEL_NAME
+from tests.harness.vllm_cpu import MODEL_NAME
 from tests.integration.support import metric_value
 from tests.vllm.conftest import RealStack, metric_sum
 
@@ -29,7 +29,7 @@ PROMPTS = {
 BLOCK = 128  # vLLM's CPU default
 # What each prompt must be, in blocks of prompt tokens, for its name to be true.
 BLOCKS = {"short": range(1, 2), "multi_block": range(2, 5), "over_four_blocks": range(5, 16)}
-LAYERS, KV_HEADS, HEAD_DIM, FLOAT32 = 2, 2, 32, 4  # the tiny model (pdproxy.testing.tiny_model)
+LAYERS, KV_HEADS, HEAD_DIM, FLOAT32 = 2, 2, 32, 4  # the tiny model (tests.harness.tiny_model)
 BYTES_PER_TOKEN = LAYERS * 2 * KV_HEADS * HEAD_DIM * FLOAT32
 
 

@@ -10,7 +10,7 @@ from typing import Any
 import openai
 import pytest
 
-from pdproxy.testing.vllm_cpu import MAX_MODEL_LEN, MODEL_NAME
+from tests.harness.vllm_cpu import MAX_MODEL_LEN, MODEL_NAME
 from tests.vllm.conftest import RealStack
 
 pytestmark = pytest.mark.vllm

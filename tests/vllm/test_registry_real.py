@@ -12,10 +12,10 @@ from typing import Any
 import openai
 import pytest
 
-from pdproxy.testing.fleet import LocalFleet
-from pdproxy.testing.processes import ManagedProcess, free_ports, pdproxy_command, wait_until
-from pdproxy.testing.vllm_cpu import MODEL_NAME, VllmServer, running_servers
-from pdproxy.testing.vllm_env import VllmEnv
+from pdproxy.demo.fleet import LocalFleet
+from pdproxy.demo.processes import ManagedProcess, free_ports, pdproxy_command, wait_until
+from tests.harness.vllm_cpu import MODEL_NAME, VllmServer, running_servers
+from tests.harness.vllm_env import VllmEnv
 from tests.vllm.conftest import RealStack
 
 pytestmark = pytest.mark.vllm

@@ -9,7 +9,7 @@ from typing import Any
 import pytest
 
 from pdproxy.ids import vllm_decode_address, vllm_prefill_address
-from pdproxy.testing.vllm_cpu import MODEL_NAME
+from tests.harness.vllm_cpu import MODEL_NAME
 from tests.vllm.conftest import IdPatterns, RealStack
 
 pytestmark = pytest.mark.vllm

@@ -10,7 +10,7 @@ from pathlib import Path
 
 import pytest
 
-from pdproxy.testing.vllm_env import VllmEnv
+from tests.harness.vllm_env import VllmEnv
 
 pytestmark = pytest.mark.vllm
 

@@ -1,0 +1,62 @@
+"""A streamed completion: vLLM's chunk shapes and SSE framing, one token per latency tick."""
+
+from __future__ import annotations
+
+import json
+from collections.abc import AsyncIterator, Callable
+from typing import Any
+
+from pdproxy.fake_vllm.asyncio_helpers import sleep
+from pdproxy.fake_vllm.deterministic_text import generated_words
+from pdproxy.fake_vllm.generation import Generation
+from pdproxy.fake_vllm.responses import Envelope, usage
+
+SSE_DONE = b"data: [DONE]\n\n"
+
+
+def sse(obj: Any) -> bytes:
+    return f"data: {json.dumps(obj, separators=(',', ':'))}\n\n".encode()
+
+
+def finish_reason(step: int, generation: Generation) -> str | None:
+    # Nothing ever "stops": every completion runs to max_tokens.
+    return "length" if step == generation.max_tokens - 1 else None
+
+
+def stream_choice(
+    generation: Generation, index: int, delta: dict[str, Any] | str, finish: str | None
+) -> dict[str, Any]:
+    if generation.chat:
+        return {"index": index, "delta": delta, "logprobs": None, "finish_reason": finish}
+    return {
+        "index": index,
+        "text": delta,
+        "logprobs": None,
+        "finish_reason": finish,
+        "stop_reason": None,
+    }
+
+
+async def chunks(
+    env: Envelope,
+    generation: Generation,
+    token_latency_s: float,
+    generated: Callable[[int], None],
+) -> AsyncIterator[dict[str, Any]]:
+    """The chunks of a streamed answer; `generated(n)` hears of each step's n new tokens."""
+    obj = "chat.completion.chunk" if generation.chat else "text_completion"
+    words = [generated_words(p.text, generation.max_tokens) for p in generation.prompts]
+    if generation.chat:  # vLLM opens each chat choice with a role-only delta
+        for index in range(len(words)):
+            role = {"role": "assistant", "content": ""}
+            yield env.wrap(obj, [stream_choice(generation, index, role, None)])
+    for step in range(generation.max_tokens):
+        await sleep(token_latency_s)
+        generated(len(words))
+        finish = finish_reason(step, generation)
+        for index, prompt_words in enumerate(words):
+            text = f" {prompt_words[step]}"
+            delta: dict[str, Any] | str = {"content": text} if generation.chat else text
+            yield env.wrap(obj, [stream_choice(generation, index, delta, finish)])
+    if generation.include_usage:
+        yield env.wrap(obj, [], usage=usage(generation))

@@ -1,0 +1,187 @@
+"""One fake worker's state and its vLLM endpoints: completions, chat, models, health."""
+
+from __future__ import annotations
+
+import asyncio
+import time
+import uuid
+from typing import Any
+
+import zmq.asyncio
+from aiohttp import web
+
+from pdproxy.fake_vllm.asyncio_helpers import sleep
+from pdproxy.fake_vllm.config import WorkerConfig
+from pdproxy.fake_vllm.control import Control
+from pdproxy.fake_vllm.generation import Generation, check_model, parse_generation
+from pdproxy.fake_vllm.http_json import ApiError, json_response, parse_json_object
+from pdproxy.fake_vllm.kv_handoff import KvHandoff
+from pdproxy.fake_vllm.kv_held import HeldTransfers
+from pdproxy.fake_vllm.kv_params import request_params
+from pdproxy.fake_vllm.kv_pull_flow import PullFlow
+from pdproxy.fake_vllm.kv_push_flow import PushFlow
+from pdproxy.fake_vllm.kv_stats import KvStats
+from pdproxy.fake_vllm.kv_store import KvStore
+from pdproxy.fake_vllm.kv_transport import KvSender
+from pdproxy.fake_vllm.load import LoadTracker, Share
+from pdproxy.fake_vllm.records import Exchange, Records
+from pdproxy.fake_vllm.responses import Envelope, full_response
+from pdproxy.fake_vllm.streaming import SSE_DONE, chunks, sse
+
+MAX_BODY_BYTES = 64 * 1024 * 1024
+
+
+class FakeWorker:
+    """All state of one fake worker; built in run_worker and handed to the aiohttp app."""
+
+    def __init__(self, cfg: WorkerConfig, ctx: zmq.asyncio.Context) -> None:
+        self.cfg = cfg
+        self.records = Records()
+        self.load = LoadTracker(cfg.kv_capacity_tokens)
+        self.control = Control(self.records, self.load)
+        # A fresh engine id per start, as vLLM's: a restarted prefill is another engine.
+        self.engine_id = str(uuid.uuid4())
+        self.kv_store = KvStore()
+        self.kv_held = HeldTransfers(self.engine_id, cfg.kv_timeout_s)
+        self.kv_sender = KvSender(ctx, str(cfg.kv))
+        self.kv_stats = KvStats.connect(cfg)  # stopped by run_worker
+        self.kv_handoff = KvHandoff(
+            cfg,
+            self.records,
+            PushFlow(cfg, self.kv_store, self.kv_sender, self.records, self.kv_stats),
+            PullFlow(cfg, self.kv_held, ctx, self.records, self.kv_stats),
+        )
+        self.started = int(time.time())
+
+    def build_app(self) -> web.Application:
+        app = web.Application(
+            middlewares=[self.control.record_request], client_max_size=MAX_BODY_BYTES
+        )
+        app.router.add_post("/v1/completions", self.completions)
+        app.router.add_post("/v1/chat/completions", self.chat_completions)
+        app.router.add_get("/v1/models", self.models)
+        app.router.add_get("/health", self.health)
+        self.control.add_routes(app.router)
+        return app
+
+    async def completions(self, request: web.Request) -> web.StreamResponse:
+        return await self._generate(request, chat=False)
+
+    async def chat_completions(self, request: web.Request) -> web.StreamResponse:
+        return await self._generate(request, chat=True)
+
+    async def models(self, request: web.Request) -> web.StreamResponse:
+        card = {
+            "id": self.cfg.model,
+            "object": "model",
+            "created": self.started,
+            "owned_by": "vllm",
+            "root": self.cfg.model,
+            "parent": None,
+            "max_model_len": self.cfg.max_model_len,
+        }
+        return json_response({"object": "list", "data": [card]})
+
+    async def health(self, request: web.Request) -> web.StreamResponse:
+        return web.Response(status=200)
+
+    async def _generate(self, request: web.Request, chat: bool) -> web.StreamResponse:
+        header_id = request.headers.get("X-Request-Id")
+        response_id = f"{'chatcmpl' if chat else 'cmpl'}-{header_id or uuid.uuid4().hex}"
+        exchange = Exchange(header_id or response_id, request.path)
+        try:
+            return await self._answer(request, chat, header_id, response_id, exchange)
+        except asyncio.CancelledError:
+            # handler_cancellation: the client went away (or the server is stopping).
+            self.records.add_abort(exchange)
+            raise
+
+    async def _answer(
+        self,
+        request: web.Request,
+        chat: bool,
+        header_id: str | None,
+        response_id: str,
+        exchange: Exchange,
+    ) -> web.StreamResponse:
+        behaviour = self.control.behaviour
+        await sleep(behaviour.delay_s)
+        if behaviour.status is not None:
+            return behaviour.response()
+        try:
+            body = parse_json_object(await request.read())
+            check_model(body, self.cfg.model)
+            generation = parse_generation(body, chat, self.cfg.max_model_len)
+            params = request_params(body)
+        except ApiError as err:
+            return err.response()
+        with self.load.occupy(generation.prompt_tokens) as share:
+            try:
+                answer_params = await self.kv_handoff.before_first_token(
+                    exchange.record_id, header_id, params, generation
+                )
+            except ApiError as err:
+                return err.response()
+            env = Envelope(response_id, int(time.time()), self.cfg.model)
+            drop = behaviour.drop_after_chunks
+            if generation.stream:
+                # Like vLLM, a streamed answer carries no kv_transfer_params.
+                return await self._stream(request, env, generation, exchange, share, drop)
+            if drop is not None:
+                _cut(request)
+                self.records.add_abort(exchange)
+                return web.Response(status=500)  # never sent: the connection is gone
+            return await self._whole(env, generation, exchange, share, answer_params)
+
+    async def _whole(
+        self,
+        env: Envelope,
+        generation: Generation,
+        exchange: Exchange,
+        share: Share,
+        kv_transfer_params: dict[str, Any] | None,
+    ) -> web.StreamResponse:
+        for _ in range(generation.max_tokens):  # token by token, so the load grows as it would
+            await sleep(self.cfg.token_latency_s)
+            share.generated(len(generation.prompts))
+        self.records.add("completed", exchange.record_id)
+        answer = full_response(env, generation)
+        if kv_transfer_params is not None:
+            answer["kv_transfer_params"] = kv_transfer_params
+        return json_response(answer)
+
+    async def _stream(
+        self,
+        request: web.Request,
+        env: Envelope,
+        generation: Generation,
+        exchange: Exchange,
+        share: Share,
+        drop_after_chunks: int | None = None,
+    ) -> web.StreamResponse:
+        response = web.StreamResponse(
+            headers={"Content-Type": "text/event-stream", "Cache-Control": "no-cache"}
+        )
+        try:
+            await response.prepare(request)
+            sent = 0
+            async for chunk in chunks(env, generation, self.cfg.token_latency_s, share.generated):
+                if sent == drop_after_chunks:
+                    _cut(request)
+                    self.records.add_abort(exchange)
+                    return response
+                await response.write(sse(chunk))
+                sent += 1
+            await response.write(SSE_DONE)
+        except ConnectionResetError:
+            # The peer closed before the handler was cancelled; aiohttp copes with the return.
+            self.records.add_abort(exchange)
+            return response
+        self.records.add("completed", exchange.record_id)
+        return response
+
+
+def _cut(request: web.Request) -> None:
+    """Drop the connection without ending the answer (a crash or a network failure)."""
+    if request.transport is not None:
+        request.transport.abort()
