@@ -41,12 +41,12 @@ LAYERS: dict[str, int] = {
     "pdproxy.registry": APPLICATION,
     "pdproxy.proxy": APPLICATION,
     "pdproxy.vllm_side": APPLICATION,  # beside the proxy, inside or next to vLLM
-    "pdproxy.testing": APPLICATION,
+    "pdproxy.fake_vllm": APPLICATION,  # a stand-in for a vLLM server, for the demo and tests
     "pdproxy.multiworker": PROCESSES,
     "pdproxy.single_process": PROCESSES,
     "pdproxy.cli": CLI,
     "pdproxy.__main__": CLI,
-    "pdproxy.testing.demo": CLI,
+    "pdproxy.demo": PROCESSES,  # starts a proxy and fake instances as processes
 }
 
 # Edges (importer, imported) that break the rules today. Remove each as it is mended.
