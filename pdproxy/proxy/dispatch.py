@@ -24,13 +24,14 @@ from typing import Any
 from pdproxy.config import Settings
 from pdproxy.http.alarms import Alarms
 from pdproxy.http.deadline import Deadline
-from pdproxy.http.upstream import Reply, Upstream, UpstreamError
+from pdproxy.http.upstream import Reply, Upstream
 from pdproxy.ids import build_request_id
 from pdproxy.metrics import DECODE, DECODE_REFUSED, PREFILL, Metrics
 from pdproxy.pairing.features import RequestFeatures
 from pdproxy.pairing.planner import Direct, Pair
 from pdproxy.proxy.errors import ProxyError
 from pdproxy.proxy.exchange import ClientHeaders, Exchange
+from pdproxy.proxy.failures import LegFailed, classify, leg_failed
 from pdproxy.proxy.kv_params import (
     PARAMS_FIELD,
     params_from_answer,
@@ -43,7 +44,7 @@ from pdproxy.proxy.rotation import Rotation
 from pdproxy.proxy.side_by_side import decode_beside_prefill
 from pdproxy.registry.table import Instance
 from pdproxy.reliability.backoff import RetryPolicy
-from pdproxy.reliability.failures import counts_against_instance, is_retryable
+from pdproxy.reliability.failures import FAILURES, FailureKind
 from pdproxy.tracing.context import trace_context
 from pdproxy.tracing.random_ids import RandomHex
 from pdproxy.tracing.spans import RequestTrace, Tracing
@@ -69,19 +70,6 @@ class Wait:
         self.limit = limit
         self.began = began
         self.answered = answered
-
-
-class LegFailed(ProxyError):
-    """A leg failed; `retryable` if another pair may serve the request instead."""
-
-    def __init__(self, error: ProxyError, role: str, instance: str, kind: str, retryable: bool):
-        super().__init__(
-            error.status, error.message, code=error.code, param=error.param, headers=error.headers
-        )
-        self.role = role
-        self.instance = instance
-        self.kind = kind
-        self.retryable = retryable
 
 
 def _random_uid() -> Callable[[], str]:
@@ -342,7 +330,7 @@ class Dispatcher:
             raise self._leg_failed(
                 PREFILL,
                 prefill,
-                "no_kv_transfer_params",
+                FailureKind.NO_KV_TRANSFER_PARAMS,
                 f"answered without {PARAMS_FIELD} (is its connector really nixl?)",
                 began,
             )
@@ -376,15 +364,12 @@ class Dispatcher:
         notes = exchange.notes
         notes.prefill_seconds = time.perf_counter() - started
         self._metrics.prefill_done(notes.prefill_seconds)
-        if 200 <= reply.status < 300 or 400 <= reply.status < 500:
+        kind = classify(reply.status)
+        if kind is None:
             # Counted as a success by the caller, once the answer proved usable.
             return reply
         raise self._leg_failed(
-            PREFILL,
-            instance,
-            _status_kind(reply.status),
-            _answered(reply.status, reply.body),
-            wait.began,
+            PREFILL, instance, kind, _answered(reply.status, reply.body), wait.began
         )
 
     async def _decode(
@@ -418,16 +403,13 @@ class Dispatcher:
             ) as stream:
                 if not 200 <= stream.status < 300:
                     body = await stream.read_all(settings.max_response_bytes)
-                    if 400 <= stream.status < 500:
+                    kind = classify(stream.status)
+                    if kind is None:  # a 4xx: vLLM's own words for the client
                         self._answered_well(DECODE, instance, wait.began)
                         await exchange.whole(stream.status, stream.content_type, body)
                         return True
                     raise self._leg_failed(
-                        DECODE,
-                        instance,
-                        _status_kind(stream.status),
-                        _answered(stream.status, body),
-                        wait.began,
+                        DECODE, instance, kind, _answered(stream.status, body), wait.began
                     )
                 if not request.stream:
                     # vLLM sends a whole answer's headers once it is ready: from here on a
@@ -472,26 +454,15 @@ class Dispatcher:
         self,
         role: str,
         instance: Instance,
-        kind: str,
+        kind: FailureKind,
         detail: str,
         began: float,
         answered: bool = False,
-    ) -> ProxyError:
+    ) -> LegFailed:
         self._metrics.upstream_errors.labels(role, kind).inc()
-        if kind == "saturated":
-            return ProxyError(
-                503, f"pdproxy is saturated: {detail}", code="saturated", headers=self._retry_after
-            )
-        if counts_against_instance(kind):
+        if FAILURES[kind].blames_instance:
             self._rotation.failed(role, instance, began)
-        # A leg that ran out of time is a gateway timeout (the P2pNccl id-suffix hang of vLLM
-        # >= 0.14 shows up as the decode's first byte never coming); anything else is 502.
-        status = 504 if kind == "timeout" else 502
-        error = ProxyError(
-            status, f"{role} instance {instance.name} failed: {detail}", code=f"{role}_{kind}"
-        )
-        retryable = is_retryable(kind) and not answered
-        return LegFailed(error, role, instance.name, kind, retryable)
+        return leg_failed(kind, role, instance.name, detail, answered, self._retry_after)
 
 
 class _LegWatch:
@@ -517,21 +488,17 @@ class _LegWatch:
     ) -> None:
         dispatcher, role, instance, wait = self._dispatcher, self._role, self._instance, self._wait
         dispatcher._metrics.leg_finished(role, instance.name)
-        if exc_type is None:
+        if exc is None:
             return
-        if issubclass(exc_type, TimeoutError):
-            raise dispatcher._leg_failed(
-                role,
-                instance,
-                "timeout",
-                f"no {wait.what} within {wait.limit:g}s",
-                wait.began,
-                wait.answered,
-            ) from None
-        if isinstance(exc, UpstreamError):
-            raise dispatcher._leg_failed(
-                role, instance, exc.kind, exc.detail, wait.began, wait.answered
-            ) from None
+        kind = classify(exc)
+        if kind is None:
+            return
+        detail = (
+            f"no {wait.what} within {wait.limit:g}s" if kind is FailureKind.TIMEOUT else str(exc)
+        )
+        raise dispatcher._leg_failed(
+            role, instance, kind, detail, wait.began, wait.answered
+        ) from None
 
 
 def _context_refusal(request: CompletionRequest, decode: Instance) -> bytes | None:
@@ -540,10 +507,6 @@ def _context_refusal(request: CompletionRequest, decode: Instance) -> bytes | No
     if decode.max_model_len is None:
         return None
     return request.context_refusal(decode.max_model_len)
-
-
-def _status_kind(status: int) -> str:
-    return "status_5xx" if status >= 500 else "status_other"
 
 
 def _answered(status: int, body: bytes) -> str:

@@ -22,6 +22,7 @@ from pdproxy.multiworker.shared_state import ControlReply, ControlRequest, Opera
 from pdproxy.pairing.listing import pairs_report
 from pdproxy.pairing.planner import readiness
 from pdproxy.proxy.errors import error_body
+from pdproxy.proxy.failures import is_local
 from pdproxy.proxy.openapi import openapi_document
 from pdproxy.registry.auth import address_allowed, parse_cidrs
 from pdproxy.registry.messages import Role
@@ -162,7 +163,7 @@ def install_routes(api: FastAPI, app: PdproxyApp) -> None:
                     )
             except (TimeoutError, UpstreamError) as exc:
                 failures.append(f"{instance.name}: {exc or 'timeout'}")
-                if isinstance(exc, UpstreamError) and exc.kind == "saturated":
+                if is_local(exc):
                     break  # the proxy's own congestion: another instance would wait as long
                 continue
             if reply.status == 200:
