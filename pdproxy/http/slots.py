@@ -29,6 +29,10 @@ class Slots:
     def all_taken(self) -> bool:
         return not self._free
 
+    def free(self) -> int:
+        """Slots free now (none while anyone waits)."""
+        return self._free
+
     def try_take(self) -> bool:
         """Take a free slot now; False if there is none."""
         if self._free:
@@ -52,11 +56,13 @@ class Slots:
                     self._waiters.remove(waiter)
             raise
 
-    def give_back(self) -> None:
+    def give_back(self) -> bool:
+        """Hand the slot to the longest waiting (True), or free it."""
         waiters = self._waiters
         while waiters:
             waiter = waiters.popleft()
             if not waiter.done():
                 waiter.set_result(None)
-                return
+                return True
         self._free += 1
+        return False
