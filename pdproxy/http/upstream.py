@@ -1,10 +1,8 @@
 """The one pooled HTTP/1.1 client on the data path: asyncio protocols plus httptools' parser.
 
-Why not a library: measured on this machine, one pinned core, 64 concurrent P/D requests
-against instant backends, httpx.AsyncClient did 111 req/s and aiohttp's ClientSession spent
-over half of the proxy's CPU in its own request machinery. A proxy needs little of HTTP's
-client side (POST/GET, keep-alive, Content-Length or chunked answers, a streamed body with
-back-pressure), so that is all this module does, behind three calls: `post`, `get`, `stream`.
+A proxy needs little of HTTP's client side (POST/GET, keep-alive, Content-Length or chunked
+answers, a streamed body with back-pressure), so that is all this module does, behind three
+calls: `post`, `get`, `stream`. Why not a library: docs/performance.md, "The upstream client".
 
 Every wait here is bounded by the caller's asyncio.timeout, except connecting, which only the
 pool can see and bounds itself. Errors come out as UpstreamError with one of a small, fixed
