@@ -35,7 +35,7 @@ from pdproxy.proxy.kv_params import (
     prefill_leg_params,
     uses_params,
 )
-from pdproxy.proxy.lease import LegLease, PairLease, lease_direct, lease_pair
+from pdproxy.proxy.lease import LegLease, lease_direct, lease_pair
 from pdproxy.proxy.prompt import request_features
 from pdproxy.proxy.request import CompletionRequest
 from pdproxy.proxy.rotation import Rotation
@@ -171,58 +171,50 @@ class Dispatcher:
                 with direct:
                     await self._serve_direct(direct.decode, request, exchange, authorization, trace)
                 return
-        lease = await lease_pair(self._rotation, features, avoid)
-        with lease:
-            await self._serve_pair(lease, request, exchange, authorization, trace)
-
-    async def _serve_pair(
-        self,
-        lease: PairLease,
-        request: CompletionRequest,
-        exchange: Exchange,
-        authorization: str | None,
-        trace: RequestTrace,
-    ) -> None:
-        prefill, decode = lease.prefill, lease.decode
-        assert prefill is not None  # a pair's lease holds both legs
-        notes = exchange.notes
-        notes.prefill, notes.decode = prefill.instance.name, decode.instance.name
-        refusal = _context_refusal(request, decode.instance)
-        if refusal is not None:
-            # The decode would refuse it after the prefill made its KV for nothing: the
-            # client hears the decode's own words now, and no leg is sent.
-            notes.error = "context_length"
-            await exchange.whole(400, b"application/json", refusal)
-            return
-        request_id = build_request_id(
-            prefill.instance.zmq_address, decode.instance.zmq_address, self._new_uid()
-        )
-        exchange.request_id = request_id
-        headers = self.leg_headers(request_id, authorization)
-        leg_params = prefill_leg_params(lease.connector, decode.instance)
-        if lease.connector in self._decode_beside_prefill:
-            notes.concurrent = True
-            await self._both_legs(prefill, decode, request, headers, leg_params, exchange, trace)
-            return
-        with trace.leg(PREFILL, prefill.instance.name) as span:
-            answer = await self._prefill(
-                prefill, request, headers | span, leg_params, exchange, exchange.task
+        lease = lease_pair(self._rotation, await self._rotation.choose(features, avoid))
+        with lease:  # gives back whatever the legs still hold, on every path
+            prefill, decode = lease.prefill, lease.decode
+            assert prefill is not None  # a pair's lease holds both legs
+            notes = exchange.notes
+            notes.prefill, notes.decode = prefill.instance.name, decode.instance.name
+            refusal = _context_refusal(request, decode.instance)
+            if refusal is not None:
+                # The decode would refuse it after the prefill made its KV for nothing: the
+                # client hears the decode's own words now, and no leg is sent.
+                notes.error = "context_length"
+                await exchange.whole(400, b"application/json", refusal)
+                return
+            request_id = build_request_id(
+                prefill.instance.zmq_address, decode.instance.zmq_address, self._new_uid()
             )
-        prefill.release()
-        if answer.status >= 400:
-            # vLLM refused the request (4xx): the client gets vLLM's own words.
+            exchange.request_id = request_id
+            headers = self.leg_headers(request_id, authorization)
+            leg_params = prefill_leg_params(lease.connector, decode.instance)
+            if lease.connector in self._decode_beside_prefill:
+                notes.concurrent = True
+                await self._both_legs(
+                    prefill, decode, request, headers, leg_params, exchange, trace
+                )
+                return
+            with trace.leg(PREFILL, prefill.instance.name) as span:
+                answer = await self._prefill(
+                    prefill, request, headers | span, leg_params, exchange, exchange.task
+                )
+            prefill.release()
+            if answer.status >= 400:
+                # vLLM refused the request (4xx): the client gets vLLM's own words.
+                prefill.succeeded()
+                await exchange.whole(answer.status, answer.content_type, answer.body)
+                return
+            params = self._kv_params(prefill, answer) if uses_params(lease.connector) else None
             prefill.succeeded()
-            await exchange.whole(answer.status, answer.content_type, answer.body)
-            return
-        params = self._kv_params(prefill, answer) if uses_params(lease.connector) else None
-        prefill.succeeded()
-        with trace.leg(DECODE, decode.instance.name) as span:
-            body = request.decode_body(params)
-            refused = await self._decode(
-                decode, body, request, headers | span, exchange, exchange.task
-            )
-        if refused:
-            self._metrics.kv_orphaned.labels(DECODE_REFUSED).inc()
+            with trace.leg(DECODE, decode.instance.name) as span:
+                body = request.decode_body(params)
+                refused = await self._decode(
+                    decode, body, request, headers | span, exchange, exchange.task
+                )
+            if refused:
+                self._metrics.kv_orphaned.labels(DECODE_REFUSED).inc()
 
     async def _both_legs(
         self,

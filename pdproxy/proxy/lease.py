@@ -1,7 +1,7 @@
 """A leg is a lease: the rotation counted it in flight when it chose the instance, and it goes
 back exactly once, with at most one outcome (success, or a failure of some kind) recorded.
 
-    lease = await lease_pair(rotation, features, avoid)
+    lease = lease_pair(rotation, await rotation.choose(features, avoid))
     with lease:                                    # gives back whatever is still held
         with lease.decode.watch("answer", limit):  # stamps the start; failures -> LegFailed
             ...
@@ -17,6 +17,7 @@ from types import TracebackType
 
 from pdproxy.metrics import DECODE, PREFILL
 from pdproxy.pairing.features import RequestFeatures
+from pdproxy.pairing.planner import Pair
 from pdproxy.proxy.failures import LegFailed, classify, leg_failed
 from pdproxy.proxy.rotation import Rotation
 from pdproxy.registry.messages import Connector
@@ -138,12 +139,9 @@ class PairLease:
             self.decode.release()
 
 
-async def lease_pair(
-    rotation: Rotation, features: RequestFeatures, avoid: frozenset[str]
-) -> PairLease:
-    """A prefill and a decode leg, waiting (bounded) while every compatible instance is at
-    its cap; raises ProxyError when no pair can serve."""
-    pair = await rotation.choose(features, avoid)
+def lease_pair(rotation: Rotation, pair: Pair) -> PairLease:
+    """The legs of a pair `rotation.choose` returned, taken over before any await (a plain
+    function, not a coroutine wrapping choose: one coroutine less per request)."""
     return PairLease(
         LegLease(rotation, PREFILL, pair.prefill, pair.prefill_tokens),
         LegLease(rotation, DECODE, pair.decode, pair.decode_tokens),

@@ -367,7 +367,7 @@ async def test_a_client_that_leaves_mid_leg_releases_both_legs() -> None:
 async def test_a_lease_goes_back_once_however_often_it_is_released() -> None:
     proxy = Proxy([P1, D1])
     features = proxy.dispatcher.features(_request())
-    lease = await lease_pair(proxy.rotation, features, frozenset())
+    lease = lease_pair(proxy.rotation, await proxy.rotation.choose(features, frozenset()))
     assert proxy.planner.inflight.total_requests() == 2
     with lease:
         assert lease.prefill is not None
@@ -381,7 +381,8 @@ async def test_a_lease_goes_back_once_however_often_it_is_released() -> None:
 @in_loop
 async def test_a_legs_first_outcome_is_the_one_recorded() -> None:
     proxy = Proxy([P1, D1])
-    lease = await lease_pair(proxy.rotation, proxy.dispatcher.features(_request()), frozenset())
+    features = proxy.dispatcher.features(_request())
+    lease = lease_pair(proxy.rotation, await proxy.rotation.choose(features, frozenset()))
     with lease:
         with lease.decode.watch("answer", 1.0):
             pass
