@@ -46,6 +46,7 @@ COMPILED_MODULES = (
     "pdproxy.proxy.exchange",
     "pdproxy.http.server_protocol",
     "pdproxy.proxy.kv_params",
+    "pdproxy.proxy.lease",
     "pdproxy.proxy.prompt",
     "pdproxy.tracing.random_ids",
     "pdproxy.proxy.request",

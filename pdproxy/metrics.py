@@ -30,7 +30,7 @@ from pdproxy.local_metrics import LocalCounter, LocalGauge, LocalHistogram
 from pdproxy.pairing.planner import Unpaired
 from pdproxy.registry.kv_stats import COUNTED_OUTCOMES, TransferRecord
 from pdproxy.registry.messages import Reason, Role, TransferOutcome
-from pdproxy.reliability.failures import RETRYABLE_KINDS
+from pdproxy.reliability.failures import FAILURES, RETRIED_KINDS
 from pdproxy.reliability.outlier import CIRCUIT_LEVEL, Circuit
 
 # Latency buckets from sub-millisecond proxy overhead to multi-minute prefills of long prompts.
@@ -274,8 +274,10 @@ class Metrics:
         for reason in REFUSALS:
             self.refused.labels(reason)
         for role in LEG_ROLES:
-            for kind in sorted(RETRYABLE_KINDS):
-                self.retries.labels(role, kind)
+            for kind in FAILURES:
+                self.upstream_errors.labels(role, kind.value)
+            for kind in sorted(RETRIED_KINDS):
+                self.retries.labels(role, kind.value)
         for outcome in ("ok", "failed"):
             self.health_probes.labels(outcome)
         for role in LEG_ROLES:

@@ -1,8 +1,5 @@
-"""A counting semaphore for the upstream exchanges that is cheap when a slot is free.
-
-asyncio.Semaphore makes five Python-level calls to take and give back a free slot (`locked()`
-twice, each running a generator, `acquire()`, `release()` and `_wake_up_next()`), and both legs
-of every request take one. Here taking a free slot is one test and giving it back one more.
+"""A counting semaphore, cheap when a slot is free (taking one is one test, giving it back one
+more: docs/performance.md, "Slots"): the upstream exchanges and the admission wait on it.
 
 A slot given back while someone waits goes straight to the longest waiting; one handed to a
 waiter that is cancelled before it runs is passed on, so a slot is never lost. The invariant
@@ -29,6 +26,10 @@ class Slots:
     def all_taken(self) -> bool:
         return not self._free
 
+    def free(self) -> int:
+        """Slots free now (none while anyone waits)."""
+        return self._free
+
     def try_take(self) -> bool:
         """Take a free slot now; False if there is none."""
         if self._free:
@@ -52,11 +53,13 @@ class Slots:
                     self._waiters.remove(waiter)
             raise
 
-    def give_back(self) -> None:
+    def give_back(self) -> bool:
+        """Hand the slot to the longest waiting (True), or free it."""
         waiters = self._waiters
         while waiters:
             waiter = waiters.popleft()
             if not waiter.done():
                 waiter.set_result(None)
-                return
+                return True
         self._free += 1
+        return False

@@ -1,14 +1,12 @@
 """The one pooled HTTP/1.1 client on the data path: asyncio protocols plus httptools' parser.
 
-Why not a library: measured on this machine, one pinned core, 64 concurrent P/D requests
-against instant backends, httpx.AsyncClient did 111 req/s and aiohttp's ClientSession spent
-over half of the proxy's CPU in its own request machinery. A proxy needs little of HTTP's
-client side (POST/GET, keep-alive, Content-Length or chunked answers, a streamed body with
-back-pressure), so that is all this module does, behind three calls: `post`, `get`, `stream`.
+A proxy needs little of HTTP's client side (POST/GET, keep-alive, Content-Length or chunked
+answers, a streamed body with back-pressure), so that is all this module does, behind three
+calls: `post`, `get`, `stream`. Why not a library: docs/performance.md, "The upstream client".
 
 Every wait here is bounded by the caller's asyncio.timeout, except connecting, which only the
-pool can see and bounds itself. Errors come out as UpstreamError with a small, fixed set of
-kinds (they label a metric).
+pool can see and bounds itself. Errors come out as UpstreamError with one of a small, fixed
+set of kinds (`Transport`); what each means to the caller is the caller's business.
 """
 
 from __future__ import annotations
@@ -19,6 +17,7 @@ import errno
 import socket
 from collections import deque
 from collections.abc import Mapping
+from enum import StrEnum
 from typing import Protocol, cast
 
 import httptools
@@ -49,11 +48,22 @@ _OWN_EXHAUSTION = frozenset(
 )
 
 
-class UpstreamError(Exception):
-    """A leg failed below HTTP. kind: connect, connect_timeout, reset, protocol, too_large,
-    saturated (no free upstream slot: the proxy's congestion, not the instance's)."""
+class Transport(StrEnum):
+    """How an exchange failed below HTTP."""
 
-    def __init__(self, kind: str, detail: str) -> None:
+    CONNECT = "connect"  # refused, unreachable
+    CONNECT_TIMEOUT = "connect_timeout"
+    RESET = "reset"  # the connection ended before the answer did
+    PROTOCOL = "protocol"  # not HTTP/1.1 as httptools reads it
+    TOO_LARGE = "too_large"  # the answer exceeds the caller's limit
+    # This client's own limits: no free exchange slot, no descriptor or port left.
+    SATURATED = "saturated"
+
+
+class UpstreamError(Exception):
+    """An exchange failed below HTTP."""
+
+    def __init__(self, kind: Transport, detail: str) -> None:
         super().__init__(detail)
         self.kind = kind
         self.detail = detail
@@ -117,7 +127,7 @@ class _Connection(asyncio.Protocol):
         try:
             self._parser.feed_data(data)
         except httptools.HttpParserError as exc:
-            self._fail(UpstreamError("protocol", f"malformed HTTP answer: {exc}"))
+            self._fail(UpstreamError(Transport.PROTOCOL, f"malformed HTTP answer: {exc}"))
             self.close()
 
     def connection_lost(self, exc: Exception | None) -> None:
@@ -127,7 +137,7 @@ class _Connection(asyncio.Protocol):
             self._wake()
         elif not self._complete:
             detail = f"connection lost: {exc}" if exc else "connection closed by the instance"
-            self._fail(UpstreamError("reset", detail))
+            self._fail(UpstreamError(Transport.RESET, detail))
 
     # -- httptools callbacks -----------------------------------------------------------------
 
@@ -268,7 +278,7 @@ class Stream:
         while chunk := await self._connection.next_chunk():
             size += len(chunk)
             if size > limit:
-                raise UpstreamError("too_large", f"answer exceeds {limit} bytes")
+                raise UpstreamError(Transport.TOO_LARGE, f"answer exceeds {limit} bytes")
             parts.append(chunk)
         return parts[0] if len(parts) == 1 else b"".join(parts)
 
@@ -373,14 +383,14 @@ class Upstream:
         return _Exchange(self, address, head, body)
 
     async def _wait_for_slot(self) -> None:
-        # Waiting for a free slot is the proxy's own congestion, not the instance's: it gets
-        # its own bound and its own error kind, so no instance is blamed for it.
+        # Waiting for a free slot is this client's own congestion, not the instance's: it gets
+        # its own bound and its own kind, so the caller can tell the two apart.
         try:
             async with asyncio.timeout(self._connect_timeout):
                 await self._slots.take()
         except TimeoutError:
             raise UpstreamError(
-                "saturated",
+                Transport.SATURATED,
                 f"all {self._slot_count} upstream exchanges stayed busy for "
                 f"{self._connect_timeout:g}s",
             ) from None
@@ -427,16 +437,18 @@ class Upstream:
                 )
         except TimeoutError:
             raise UpstreamError(
-                "connect_timeout", f"no connection within {self._connect_timeout:g}s"
+                Transport.CONNECT_TIMEOUT, f"no connection within {self._connect_timeout:g}s"
             ) from None
         except OSError as exc:
             if exc.errno in _OWN_EXHAUSTION:
-                # Out of descriptors, buffers or ports: the proxy's own limit, not the
-                # instance's fault, so nobody is blamed, ejected or retried for it.
+                # Out of descriptors, buffers or ports: this process's own limit, not the
+                # instance's fault.
                 raise UpstreamError(
-                    "saturated", f"pdproxy cannot open a connection: {exc.strerror or exc}"
+                    Transport.SATURATED, f"pdproxy cannot open a connection: {exc.strerror or exc}"
                 ) from None
-            raise UpstreamError("connect", f"connection failed: {exc.strerror or exc}") from None
+            raise UpstreamError(
+                Transport.CONNECT, f"connection failed: {exc.strerror or exc}"
+            ) from None
         return protocol
 
     async def _prune_forever(self) -> None:

@@ -10,9 +10,9 @@ from __future__ import annotations
 
 import asyncio
 import contextlib
-from collections import deque
 from collections.abc import Iterator
 
+from pdproxy.http.slots import Slots
 from pdproxy.metrics import Metrics
 from pdproxy.proxy.errors import ProxyError
 
@@ -31,10 +31,15 @@ class Admission:
         self._queue_timeout = queue_timeout
         self._retry_after = ((b"retry-after", str(retry_after_seconds).encode()),)
         self._metrics = metrics
-        self.active = 0
+        # FIFO: a slot given back goes straight to the longest waiting request.
+        self._slots = Slots(asyncio.get_running_loop(), limit)
         self.waiting = 0
         self.draining = False
-        self._waiters: deque[asyncio.Future[None]] = deque()
+
+    @property
+    def active(self) -> int:
+        """Requests admitted and not finished (a slot handed on stays counted)."""
+        return self._limit - self._slots.free()
 
     @property
     def idle(self) -> bool:
@@ -75,17 +80,20 @@ class Admission:
 
     async def _enter(self) -> None:
         self.refuse_if_draining()
-        if self.active < self._limit and not self._waiters:
-            self._admitted(1)
-            return
+        try:
+            if not self._slots.try_take():
+                await self._wait_for_slot()
+        finally:
+            # Exact however the wait ended: a slot handed over just as it timed out or was
+            # cancelled went on to the next waiter, or back to the free ones.
+            self._metrics.set_admitted(self.active)
+
+    async def _wait_for_slot(self) -> None:
         with self.queued():
-            waiter = asyncio.get_running_loop().create_future()
-            self._waiters.append(waiter)
             try:
                 async with asyncio.timeout(self._queue_timeout):
-                    await waiter
+                    await self._slots.take()
             except TimeoutError:
-                self._abandon(waiter)
                 self._refused("queue_timeout")
                 raise ProxyError(
                     503,
@@ -94,30 +102,10 @@ class Admission:
                     code="queue_timeout",
                     headers=self._retry_after,
                 ) from None
-            except BaseException:
-                self._abandon(waiter)
-                raise
-
-    def _abandon(self, waiter: asyncio.Future[None]) -> None:
-        if waiter.done() and not waiter.cancelled():
-            self._leave()  # a slot was handed over just as we gave up: pass it on
-            return
-        waiter.cancel()
-        with contextlib.suppress(ValueError):
-            self._waiters.remove(waiter)
 
     def _leave(self) -> None:
-        # The slot goes straight to the oldest waiter: the count in flight does not change.
-        while self._waiters:
-            waiter = self._waiters.popleft()
-            if not waiter.done():
-                waiter.set_result(None)
-                return
-        self._admitted(-1)
-
-    def _admitted(self, change: int) -> None:
-        self.active += change
-        self._metrics.set_admitted(self.active)
+        if not self._slots.give_back():
+            self._metrics.set_admitted(self.active)
 
     def _refused(self, reason: str) -> None:
         self._metrics.refused.labels(reason).inc()

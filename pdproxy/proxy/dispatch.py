@@ -17,33 +17,32 @@ import logging
 import random
 import time
 from collections.abc import Callable
-from dataclasses import dataclass
-from types import TracebackType
 from typing import Any
 
 from pdproxy.config import Settings
 from pdproxy.http.alarms import Alarms
 from pdproxy.http.deadline import Deadline
-from pdproxy.http.upstream import Reply, Upstream, UpstreamError
+from pdproxy.http.upstream import Reply, Upstream
 from pdproxy.ids import build_request_id
 from pdproxy.metrics import DECODE, DECODE_REFUSED, PREFILL, Metrics
 from pdproxy.pairing.features import RequestFeatures
-from pdproxy.pairing.planner import Direct, Pair
 from pdproxy.proxy.errors import ProxyError
 from pdproxy.proxy.exchange import ClientHeaders, Exchange
+from pdproxy.proxy.failures import LegFailed, classify
 from pdproxy.proxy.kv_params import (
     PARAMS_FIELD,
     params_from_answer,
     prefill_leg_params,
     uses_params,
 )
+from pdproxy.proxy.lease import LegLease, lease_direct, lease_pair
 from pdproxy.proxy.prompt import request_features
 from pdproxy.proxy.request import CompletionRequest
 from pdproxy.proxy.rotation import Rotation
 from pdproxy.proxy.side_by_side import decode_beside_prefill
 from pdproxy.registry.table import Instance
 from pdproxy.reliability.backoff import RetryPolicy
-from pdproxy.reliability.failures import counts_against_instance, is_retryable
+from pdproxy.reliability.failures import FailureKind
 from pdproxy.tracing.context import trace_context
 from pdproxy.tracing.random_ids import RandomHex
 from pdproxy.tracing.spans import RequestTrace, Tracing
@@ -51,37 +50,6 @@ from pdproxy.tracing.spans import RequestTrace, Tracing
 log = logging.getLogger("pdproxy.dispatch")
 
 _ERROR_SNIPPET = 300
-
-
-@dataclass(slots=True, init=False)
-class Wait:
-    """What a leg is waiting for right now, and for how long at most; whether any of the
-    answer arrived (after that, the leg is never retried)."""
-
-    what: str
-    limit: float
-    began: float  # on the rotation's clock: outcomes of legs begun before an ejection are moot
-    answered: bool
-
-    # A hand-written __init__ (not frozen): see pdproxy/compiled.py on dataclasses.
-    def __init__(self, what: str, limit: float, began: float, answered: bool = False) -> None:
-        self.what = what
-        self.limit = limit
-        self.began = began
-        self.answered = answered
-
-
-class LegFailed(ProxyError):
-    """A leg failed; `retryable` if another pair may serve the request instead."""
-
-    def __init__(self, error: ProxyError, role: str, instance: str, kind: str, retryable: bool):
-        super().__init__(
-            error.status, error.message, code=error.code, param=error.param, headers=error.headers
-        )
-        self.role = role
-        self.instance = instance
-        self.kind = kind
-        self.retryable = retryable
 
 
 def _random_uid() -> Callable[[], str]:
@@ -116,7 +84,6 @@ class Dispatcher:
             settings.retry_backoff_base_seconds,
             settings.retry_backoff_max_seconds,
         )
-        self._retry_after = ((b"retry-after", str(settings.retry_after_seconds).encode()),)
         # Prefix windows are hashed only for the policy that reads them.
         uses_prefixes = settings.prefill_policy == "prefix_affinity"
         self._prefix_tokens = settings.prefix_affinity_tokens if uses_prefixes else 0
@@ -199,23 +166,18 @@ class Dispatcher:
     ) -> None:
         """One try with one pair (or one decode instance, for a short prompt)."""
         if features.prompt_tokens < self._settings.disagg_min_tokens:
-            direct = self._rotation.choose_direct(features, avoid)
+            direct = lease_direct(self._rotation, features, avoid)
             if direct is not None:
-                await self._serve_direct(direct, request, exchange, authorization, trace)
+                with direct:
+                    await self._serve_direct(direct.decode, request, exchange, authorization, trace)
                 return
-        notes = exchange.notes
-        pair = await self._rotation.choose(features, avoid)
-        notes.prefill, notes.decode = pair.prefill.name, pair.decode.name
-        prefill_held = True
-        refusal = _context_refusal(request, pair.decode)
-
-        def release_prefill() -> None:
-            nonlocal prefill_held
-            if prefill_held:
-                prefill_held = False
-                self._rotation.release(pair.prefill.http_address, pair.prefill_tokens)
-
-        try:
+        lease = lease_pair(self._rotation, await self._rotation.choose(features, avoid))
+        with lease:  # gives back whatever the legs still hold, on every path
+            prefill, decode = lease.prefill, lease.decode
+            assert prefill is not None  # a pair's lease holds both legs
+            notes = exchange.notes
+            notes.prefill, notes.decode = prefill.instance.name, decode.instance.name
+            refusal = _context_refusal(request, decode.instance)
             if refusal is not None:
                 # The decode would refuse it after the prefill made its KV for nothing: the
                 # client hears the decode's own words now, and no leg is sent.
@@ -223,51 +185,46 @@ class Dispatcher:
                 await exchange.whole(400, b"application/json", refusal)
                 return
             request_id = build_request_id(
-                pair.prefill.zmq_address, pair.decode.zmq_address, self._new_uid()
+                prefill.instance.zmq_address, decode.instance.zmq_address, self._new_uid()
             )
             exchange.request_id = request_id
             headers = self.leg_headers(request_id, authorization)
-            leg_params = prefill_leg_params(pair.connector, pair.decode)
-            if pair.connector in self._decode_beside_prefill:
+            leg_params = prefill_leg_params(lease.connector, decode.instance)
+            if lease.connector in self._decode_beside_prefill:
                 notes.concurrent = True
                 await self._both_legs(
-                    pair, request, headers, leg_params, exchange, trace, release_prefill
+                    prefill, decode, request, headers, leg_params, exchange, trace
                 )
                 return
-            prefill_began = self._rotation.now()
-            with trace.leg(PREFILL, pair.prefill.name) as span:
+            with trace.leg(PREFILL, prefill.instance.name) as span:
                 answer = await self._prefill(
-                    pair.prefill, request, headers | span, leg_params, exchange, exchange.task
+                    prefill, request, headers | span, leg_params, exchange, exchange.task
                 )
-            release_prefill()
+            prefill.release()
             if answer.status >= 400:
                 # vLLM refused the request (4xx): the client gets vLLM's own words.
-                self._answered_well(PREFILL, pair.prefill, prefill_began)
+                prefill.succeeded()
                 await exchange.whole(answer.status, answer.content_type, answer.body)
                 return
-            with_params = uses_params(pair.connector)
-            params = self._kv_params(pair.prefill, answer, prefill_began) if with_params else None
-            self._answered_well(PREFILL, pair.prefill, prefill_began)
-            with trace.leg(DECODE, pair.decode.name) as span:
+            params = self._kv_params(prefill, answer) if uses_params(lease.connector) else None
+            prefill.succeeded()
+            with trace.leg(DECODE, decode.instance.name) as span:
                 body = request.decode_body(params)
                 refused = await self._decode(
-                    pair.decode, body, request, headers | span, exchange, exchange.task
+                    decode, body, request, headers | span, exchange, exchange.task
                 )
             if refused:
                 self._metrics.kv_orphaned.labels(DECODE_REFUSED).inc()
-        finally:
-            release_prefill()
-            self._rotation.release(pair.decode.http_address, pair.decode_tokens)
 
     async def _both_legs(
         self,
-        pair: Pair,
+        prefill_leg: LegLease,
+        decode_leg: LegLease,
         request: CompletionRequest,
         headers: dict[str, str],
         leg_params: dict[str, Any] | None,
         exchange: Exchange,
         trace: RequestTrace,
-        release_prefill: Callable[[], None],
     ) -> None:
         """Prefill and decode sent at once (proxy.side_by_side): for connectors whose decode
         instance waits for the KV itself without holding its other requests."""
@@ -275,17 +232,16 @@ class Dispatcher:
 
         async def prefill() -> Reply:
             nonlocal prefilled
-            began = self._rotation.now()
             task = asyncio.current_task(self._loop)
             assert task is not None
             try:
-                with trace.leg(PREFILL, pair.prefill.name) as span:
+                with trace.leg(PREFILL, prefill_leg.instance.name) as span:
                     answer = await self._prefill(
-                        pair.prefill, request, headers | span, leg_params, exchange, task
+                        prefill_leg, request, headers | span, leg_params, exchange, task
                     )
             finally:
-                release_prefill()
-            self._answered_well(PREFILL, pair.prefill, began)
+                prefill_leg.release()
+            prefill_leg.succeeded()
             prefilled = answer.status < 400
             return answer
 
@@ -293,9 +249,9 @@ class Dispatcher:
             nonlocal refused
             task = asyncio.current_task(self._loop)
             assert task is not None
-            with trace.leg(DECODE, pair.decode.name) as span:
+            with trace.leg(DECODE, decode_leg.instance.name) as span:
                 refused = await self._decode(
-                    pair.decode,
+                    decode_leg,
                     request.decode_body(None),
                     request,
                     headers | span,
@@ -315,42 +271,34 @@ class Dispatcher:
 
     async def _serve_direct(
         self,
-        direct: Direct,
+        leg: LegLease,
         request: CompletionRequest,
         exchange: Exchange,
         authorization: str | None,
         trace: RequestTrace,
     ) -> None:
         self._metrics.direct.inc()
-        exchange.notes.decode, exchange.notes.direct = direct.decode.name, True
-        try:
-            # No tag: the decode instance's connector computes the prompt itself.
-            exchange.request_id = self._new_uid()
-            headers = self.leg_headers(exchange.request_id, authorization)
-            with trace.leg(DECODE, direct.decode.name) as span:
-                await self._decode(
-                    direct.decode, request.body, request, headers | span, exchange, exchange.task
-                )
-        finally:
-            self._rotation.release(direct.decode.http_address, direct.decode_tokens)
+        exchange.notes.decode, exchange.notes.direct = leg.instance.name, True
+        # No tag: the decode instance's connector computes the prompt itself.
+        exchange.request_id = self._new_uid()
+        headers = self.leg_headers(exchange.request_id, authorization)
+        with trace.leg(DECODE, leg.instance.name) as span:
+            await self._decode(leg, request.body, request, headers | span, exchange, exchange.task)
 
-    def _kv_params(self, prefill: Instance, answer: Reply, began: float) -> dict[str, Any]:
+    def _kv_params(self, prefill: LegLease, answer: Reply) -> dict[str, Any]:
         params = params_from_answer(answer.body)
         if params is None:
             # Without it the decode instance cannot know where the KV is: it would recompute
             # or wait, so the prefill counts as failed.
-            raise self._leg_failed(
-                PREFILL,
-                prefill,
-                "no_kv_transfer_params",
+            raise prefill.failed(
+                FailureKind.NO_KV_TRANSFER_PARAMS,
                 f"answered without {PARAMS_FIELD} (is its connector really nixl?)",
-                began,
             )
         return params
 
     async def _prefill(
         self,
-        instance: Instance,
+        leg: LegLease,
         request: CompletionRequest,
         headers: dict[str, str],
         leg_params: dict[str, Any] | None,
@@ -363,11 +311,11 @@ class Dispatcher:
         started = time.perf_counter()
         body = request.prefill_body(leg_params)
         with (
-            self._leg(PREFILL, instance, "answer", settings.prefill_timeout) as wait,
-            Deadline(self._alarms, task, wait.limit),
+            leg.watch("answer", settings.prefill_timeout),
+            Deadline(self._alarms, task, leg.limit),
         ):
             reply = await self._upstream.post(
-                instance.http_address,
+                leg.instance.http_address,
                 request.path,
                 body,
                 headers,
@@ -376,20 +324,15 @@ class Dispatcher:
         notes = exchange.notes
         notes.prefill_seconds = time.perf_counter() - started
         self._metrics.prefill_done(notes.prefill_seconds)
-        if 200 <= reply.status < 300 or 400 <= reply.status < 500:
+        kind = classify(reply.status)
+        if kind is None:
             # Counted as a success by the caller, once the answer proved usable.
             return reply
-        raise self._leg_failed(
-            PREFILL,
-            instance,
-            _status_kind(reply.status),
-            _answered(reply.status, reply.body),
-            wait.began,
-        )
+        raise leg.failed(kind, _answered(reply.status, reply.body))
 
     async def _decode(
         self,
-        instance: Instance,
+        leg: LegLease,
         body: bytes,
         request: CompletionRequest,
         headers: dict[str, str],
@@ -410,128 +353,50 @@ class Dispatcher:
         else:
             waiting, limit = "answer", settings.decode_timeout
         with (
-            self._leg(DECODE, instance, waiting, limit + prefill_wait) as wait,
-            Deadline(self._alarms, task, wait.limit) as deadline,
+            leg.watch(waiting, limit + prefill_wait),
+            Deadline(self._alarms, task, leg.limit) as deadline,
         ):
             async with self._upstream.stream(
-                "POST", instance.http_address, request.path, body, headers
+                "POST", leg.instance.http_address, request.path, body, headers
             ) as stream:
                 if not 200 <= stream.status < 300:
                     body = await stream.read_all(settings.max_response_bytes)
-                    if 400 <= stream.status < 500:
-                        self._answered_well(DECODE, instance, wait.began)
+                    kind = classify(stream.status)
+                    if kind is None:  # a 4xx: vLLM's own words for the client
+                        leg.succeeded()
                         await exchange.whole(stream.status, stream.content_type, body)
                         return True
-                    raise self._leg_failed(
-                        DECODE,
-                        instance,
-                        _status_kind(stream.status),
-                        _answered(stream.status, body),
-                        wait.began,
-                    )
+                    raise leg.failed(kind, _answered(stream.status, body))
                 if not request.stream:
                     # vLLM sends a whole answer's headers once it is ready: from here on a
                     # retry would compute it twice.
-                    wait.answered = True
+                    leg.answered = True
                     body = await stream.read_all(settings.max_response_bytes)
                     self._first_byte(exchange, started)
                     deadline.reschedule(None)
-                    self._answered_well(DECODE, instance, wait.began)
+                    leg.succeeded()
                     await exchange.whole(stream.status, stream.content_type, body)
                     return False
                 chunk = await stream.next_chunk()
-                wait.answered = bool(chunk)
+                leg.answered = bool(chunk)
                 self._first_byte(exchange, started)
                 deadline.reschedule(None)
                 await exchange.start_stream(stream.status, stream.content_type)
-                wait.what, wait.limit = "next chunk", settings.stream_idle_timeout
+                leg.waiting, leg.limit = "next chunk", settings.stream_idle_timeout
                 while chunk:
                     # Only the instance is on the clock: a slow client is not its fault
                     # (the request timeout bounds the client).
                     await exchange.chunk(chunk)
-                    deadline.reschedule(loop.time() + wait.limit)
+                    deadline.reschedule(loop.time() + leg.limit)
                     chunk = await stream.next_chunk()
                     deadline.reschedule(None)
-                self._answered_well(DECODE, instance, wait.began)
+                leg.succeeded()
                 await exchange.end_stream()
                 return False
 
     def _first_byte(self, exchange: Exchange, started: float) -> None:
         exchange.notes.decode_first_byte_seconds = time.perf_counter() - started
         self._metrics.decode_first_byte_seen(exchange.notes.decode_first_byte_seconds)
-
-    def _leg(self, role: str, instance: Instance, what: str, limit: float) -> _LegWatch:
-        """Count the leg in flight and turn its failures into 502s naming role and instance;
-        `Wait` says what a timeout was waiting for."""
-        return _LegWatch(self, role, instance, Wait(what, limit, self._rotation.now()))
-
-    def _answered_well(self, role: str, instance: Instance, began: float) -> None:
-        self._rotation.succeeded(role, instance, began)
-
-    def _leg_failed(
-        self,
-        role: str,
-        instance: Instance,
-        kind: str,
-        detail: str,
-        began: float,
-        answered: bool = False,
-    ) -> ProxyError:
-        self._metrics.upstream_errors.labels(role, kind).inc()
-        if kind == "saturated":
-            return ProxyError(
-                503, f"pdproxy is saturated: {detail}", code="saturated", headers=self._retry_after
-            )
-        if counts_against_instance(kind):
-            self._rotation.failed(role, instance, began)
-        # A leg that ran out of time is a gateway timeout (the P2pNccl id-suffix hang of vLLM
-        # >= 0.14 shows up as the decode's first byte never coming); anything else is 502.
-        status = 504 if kind == "timeout" else 502
-        error = ProxyError(
-            status, f"{role} instance {instance.name} failed: {detail}", code=f"{role}_{kind}"
-        )
-        retryable = is_retryable(kind) and not answered
-        return LegFailed(error, role, instance.name, kind, retryable)
-
-
-class _LegWatch:
-    """Dispatcher._leg's context manager. (A class, not a generator: two per request.)"""
-
-    __slots__ = ("_dispatcher", "_instance", "_role", "_wait")
-
-    def __init__(self, dispatcher: Dispatcher, role: str, instance: Instance, wait: Wait) -> None:
-        self._dispatcher = dispatcher
-        self._role = role
-        self._instance = instance
-        self._wait = wait
-
-    def __enter__(self) -> Wait:
-        self._dispatcher._metrics.leg_started(self._role, self._instance.name)
-        return self._wait
-
-    def __exit__(
-        self,
-        exc_type: type[BaseException] | None,
-        exc: BaseException | None,
-        traceback: TracebackType | None,
-    ) -> None:
-        dispatcher, role, instance, wait = self._dispatcher, self._role, self._instance, self._wait
-        dispatcher._metrics.leg_finished(role, instance.name)
-        if exc_type is None:
-            return
-        if issubclass(exc_type, TimeoutError):
-            raise dispatcher._leg_failed(
-                role,
-                instance,
-                "timeout",
-                f"no {wait.what} within {wait.limit:g}s",
-                wait.began,
-                wait.answered,
-            ) from None
-        if isinstance(exc, UpstreamError):
-            raise dispatcher._leg_failed(
-                role, instance, exc.kind, exc.detail, wait.began, wait.answered
-            ) from None
 
 
 def _context_refusal(request: CompletionRequest, decode: Instance) -> bytes | None:
@@ -540,10 +405,6 @@ def _context_refusal(request: CompletionRequest, decode: Instance) -> bytes | No
     if decode.max_model_len is None:
         return None
     return request.context_refusal(decode.max_model_len)
-
-
-def _status_kind(status: int) -> str:
-    return "status_5xx" if status >= 500 else "status_other"
 
 
 def _answered(status: int, body: bytes) -> str:

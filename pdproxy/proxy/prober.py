@@ -13,6 +13,7 @@ from collections.abc import Callable
 
 from pdproxy.http.upstream import Upstream, UpstreamError
 from pdproxy.metrics import Metrics
+from pdproxy.proxy.failures import is_local
 from pdproxy.registry.messages import Role
 from pdproxy.registry.table import Instance, RegistryTable
 from pdproxy.reliability.outlier import OutlierDetector
@@ -81,7 +82,7 @@ class HealthProber:
                     )
                 healthy = reply.status == 200
             except UpstreamError as exc:
-                if exc.kind == "saturated":
+                if is_local(exc):
                     return  # the proxy's own limit: nobody's health
                 healthy = False
             except TimeoutError:

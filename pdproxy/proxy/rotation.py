@@ -3,8 +3,9 @@ bookkeeping that keeps the rotation true.
 
 Out of rotation are instances the outlier detector ejected, instances an operator drained, and
 instances at their in-flight cap. A request that finds every compatible instance at its cap
-waits (bounded, and in the admission queue) until a leg ends. Every leg's end goes through
-`release`; every leg's outcome through `succeeded` / `failed`.
+waits (bounded, and in the admission queue) until a leg ends. Each chosen leg is a lease
+(proxy/lease.py): its end goes once through `release`, its outcome once through `succeeded` /
+`failed`.
 """
 
 from __future__ import annotations
@@ -49,13 +50,13 @@ class Rotation:
         self._planner = planner
         self._outliers = outliers
         self._admission = admission
-        self._metrics = metrics
+        self.metrics = metrics  # the legs' leases count with it too
         self._clock = clock
         # Instances an operator drained: no new legs; those in flight finish.
         self.drained: frozenset[str] = frozenset()
         self._capacity_freed = asyncio.Event()
         self._retained_version = -1
-        self._retry_after = ((b"retry-after", str(settings.retry_after_seconds).encode()),)
+        self.retry_after = ((b"retry-after", str(settings.retry_after_seconds).encode()),)
 
     def set_drained(self, drained: frozenset[str]) -> None:
         """The operator's drained set, from whoever owns it (pdproxy.registry.control)."""
@@ -134,7 +135,7 @@ class Rotation:
         now = self._clock()
         if not self._outliers.failure(instance.name, role, now, self._serving(role), began):
             return
-        self._metrics.ejections.labels(role).inc()
+        self.metrics.ejections.labels(role).inc()
         status = self._outliers.status(instance.name, now)
         log.warning(
             "%s instance %s ejected for %.1fs after %d failures in a row (ejection %d)",
@@ -153,11 +154,11 @@ class Rotation:
         return sum(1 for i in members if i.name not in self.drained)
 
     def _unpaired(self, choice: NoPair, excluded: frozenset[str]) -> ProxyError:
-        self._metrics.unpaired.labels(choice.kind.value).inc()
+        self.metrics.unpaired.labels(choice.kind.value).inc()
         reason = choice.reason
         if excluded:
             reason += f" ({len(excluded)} instance(s) out of rotation: ejected or drained)"
-        return ProxyError(503, reason, code="no_instance", headers=self._retry_after)
+        return ProxyError(503, reason, code="no_instance", headers=self.retry_after)
 
     async def _wait_for_capacity(self, wait_until: float) -> None:
         left = wait_until - asyncio.get_running_loop().time()
@@ -168,7 +169,7 @@ class Rotation:
                 f"every compatible instance stayed at its cap of {cap} legs in flight for "
                 f"{self._settings.queue_timeout:g}s",
                 code="instances_busy",
-                headers=self._retry_after,
+                headers=self.retry_after,
             )
         with contextlib.suppress(TimeoutError):
             async with asyncio.timeout(min(left, _CAPACITY_RECHECK_SECONDS)):

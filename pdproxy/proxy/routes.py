@@ -22,6 +22,7 @@ from pdproxy.pairing.listing import pairs_report
 from pdproxy.pairing.planner import readiness
 from pdproxy.proxy.credentials import Credentials
 from pdproxy.proxy.errors import error_body
+from pdproxy.proxy.failures import is_local
 from pdproxy.proxy.openapi import openapi_document
 from pdproxy.proxy.state import AppState
 from pdproxy.registry.auth import address_allowed, parse_cidrs
@@ -164,7 +165,7 @@ def install_routes(
                     )
             except (TimeoutError, UpstreamError) as exc:
                 failures.append(f"{instance.name}: {exc or 'timeout'}")
-                if isinstance(exc, UpstreamError) and exc.kind == "saturated":
+                if is_local(exc):
                     break  # the proxy's own congestion: another instance would wait as long
                 continue
             if reply.status == 200:

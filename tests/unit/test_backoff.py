@@ -7,7 +7,6 @@ from hypothesis import given
 from hypothesis import strategies as st
 
 from pdproxy.reliability.backoff import RetryPolicy
-from pdproxy.reliability.failures import counts_against_instance, is_retryable
 
 POLICY = RetryPolicy(max_attempts=4, backoff_base_seconds=0.1, backoff_max_seconds=0.5)
 
@@ -45,24 +44,3 @@ def test_policy_is_validated() -> None:
         RetryPolicy(max_attempts=0)
     with pytest.raises(ValueError, match="backoff"):
         RetryPolicy(backoff_base_seconds=2.0, backoff_max_seconds=1.0)
-
-
-@pytest.mark.parametrize(
-    "kind",
-    [
-        "connect",
-        "connect_timeout",
-        "reset",
-        "protocol",
-        "timeout",
-        "status_5xx",
-        "no_kv_transfer_params",
-    ],
-)
-def test_failures_of_the_instance_are_retried_and_counted(kind: str) -> None:
-    assert is_retryable(kind) and counts_against_instance(kind)
-
-
-@pytest.mark.parametrize("kind", ["saturated", "too_large", "status_other"])
-def test_failures_that_are_not_the_instances_are_neither(kind: str) -> None:
-    assert not is_retryable(kind) and not counts_against_instance(kind)

@@ -114,3 +114,18 @@ def test_at_least_one_slot() -> None:
             Slots(asyncio.get_running_loop(), 0)
 
     asyncio.run(body())
+
+
+def test_give_back_says_whether_it_handed_the_slot_on() -> None:
+    async def body(slots: Slots) -> None:
+        assert slots.try_take()
+        waiter = asyncio.create_task(slots.take())
+        await settle()
+        assert slots.free() == 0
+        assert slots.give_back() is True  # to the waiter: still none free
+        await waiter
+        assert slots.free() == 0
+        assert slots.give_back() is False  # nobody waits: freed
+        assert slots.free() == 1
+
+    run(body, count=1)
