@@ -307,8 +307,8 @@ class _Pool:
         self.idle = fresh
 
 
-class Origin(Protocol):
-    """Where a request goes: `str()` gives its Host header ("host:port"); equal origins share
+class HostPort(Protocol):
+    """Where a request goes: `str()` gives its Host header ("host:port"); equal ones share
     connections."""
 
     @property
@@ -329,7 +329,7 @@ class Upstream:
         self._slot_count = max_connections
         self._user_agent_line = f"User-Agent: {user_agent}\r\n"
         self._slots = Slots(self._loop, self._slot_count)
-        self._pools: dict[Origin, _Pool] = {}
+        self._pools: dict[HostPort, _Pool] = {}
         self._pruner: asyncio.Task[None] | None = None
 
     async def start(self) -> None:
@@ -352,14 +352,14 @@ class Upstream:
         return self._slots.all_taken()
 
     async def post(
-        self, address: Origin, path: str, body: bytes, headers: Mapping[str, str], limit: int
+        self, address: HostPort, path: str, body: bytes, headers: Mapping[str, str], limit: int
     ) -> Reply:
         """POST and read the whole answer (bounded by `limit` bytes)."""
         async with self.stream("POST", address, path, body, headers) as stream:
             return Reply(stream.status, stream.content_type, await stream.read_all(limit))
 
     async def get(
-        self, address: Origin, path: str, headers: Mapping[str, str], limit: int
+        self, address: HostPort, path: str, headers: Mapping[str, str], limit: int
     ) -> Reply:
         async with self.stream("GET", address, path, None, headers) as stream:
             return Reply(stream.status, stream.content_type, await stream.read_all(limit))
@@ -367,7 +367,7 @@ class Upstream:
     def stream(
         self,
         method: str,
-        address: Origin,
+        address: HostPort,
         path: str,
         body: bytes | None,
         headers: Mapping[str, str],
@@ -395,7 +395,7 @@ class Upstream:
                 f"{self._connect_timeout:g}s",
             ) from None
 
-    async def _exchange(self, address: Origin, head: bytes, body: bytes | None) -> _Connection:
+    async def _exchange(self, address: HostPort, head: bytes, body: bytes | None) -> _Connection:
         loop = self._loop
         pool = self._pools.get(address)
         pooled = None if pool is None else pool.take(loop.time())
@@ -429,7 +429,7 @@ class Upstream:
             raise
         return connection
 
-    async def _connect(self, address: Origin, loop: asyncio.AbstractEventLoop) -> _Connection:
+    async def _connect(self, address: HostPort, loop: asyncio.AbstractEventLoop) -> _Connection:
         try:
             async with asyncio.timeout(self._connect_timeout):
                 _, protocol = await loop.create_connection(
@@ -468,7 +468,7 @@ class _Exchange:
 
     __slots__ = ("_address", "_body", "_connection", "_head", "_upstream")
 
-    def __init__(self, upstream: Upstream, address: Origin, head: bytes, body: bytes | None):
+    def __init__(self, upstream: Upstream, address: HostPort, head: bytes, body: bytes | None):
         self._upstream = upstream
         self._address = address
         self._head = head
@@ -501,7 +501,7 @@ class _Exchange:
 
 def _request_head(
     method: str,
-    address: Origin,
+    address: HostPort,
     path: str,
     body: bytes | None,
     headers: Mapping[str, str],
