@@ -21,12 +21,13 @@ from dataclasses import dataclass
 from types import TracebackType
 from typing import Any
 
+from pdproxy.base.roles import Role
 from pdproxy.config import Settings
 from pdproxy.http.alarms import Alarms
 from pdproxy.http.deadline import Deadline
 from pdproxy.http.upstream import Reply, Upstream, UpstreamError
 from pdproxy.ids import build_request_id
-from pdproxy.metrics import DECODE, DECODE_REFUSED, PREFILL, Metrics
+from pdproxy.metrics import DECODE_REFUSED, Metrics
 from pdproxy.pairing.features import RequestFeatures
 from pdproxy.pairing.planner import Direct, Pair
 from pdproxy.proxy.errors import ProxyError
@@ -74,7 +75,7 @@ class Wait:
 class LegFailed(ProxyError):
     """A leg failed; `retryable` if another pair may serve the request instead."""
 
-    def __init__(self, error: ProxyError, role: str, instance: str, kind: str, retryable: bool):
+    def __init__(self, error: ProxyError, role: Role, instance: str, kind: str, retryable: bool):
         super().__init__(
             error.status, error.message, code=error.code, param=error.param, headers=error.headers
         )
@@ -235,20 +236,20 @@ class Dispatcher:
                 )
                 return
             prefill_began = self._rotation.now()
-            with trace.leg(PREFILL, pair.prefill.name) as span:
+            with trace.leg(Role.PREFILL, pair.prefill.name) as span:
                 answer = await self._prefill(
                     pair.prefill, request, headers | span, leg_params, exchange, exchange.task
                 )
             release_prefill()
             if answer.status >= 400:
                 # vLLM refused the request (4xx): the client gets vLLM's own words.
-                self._answered_well(PREFILL, pair.prefill, prefill_began)
+                self._answered_well(Role.PREFILL, pair.prefill, prefill_began)
                 await exchange.whole(answer.status, answer.content_type, answer.body)
                 return
             with_params = uses_params(pair.connector)
             params = self._kv_params(pair.prefill, answer, prefill_began) if with_params else None
-            self._answered_well(PREFILL, pair.prefill, prefill_began)
-            with trace.leg(DECODE, pair.decode.name) as span:
+            self._answered_well(Role.PREFILL, pair.prefill, prefill_began)
+            with trace.leg(Role.DECODE, pair.decode.name) as span:
                 body = request.decode_body(params)
                 refused = await self._decode(
                     pair.decode, body, request, headers | span, exchange, exchange.task
@@ -279,13 +280,13 @@ class Dispatcher:
             task = asyncio.current_task(self._loop)
             assert task is not None
             try:
-                with trace.leg(PREFILL, pair.prefill.name) as span:
+                with trace.leg(Role.PREFILL, pair.prefill.name) as span:
                     answer = await self._prefill(
                         pair.prefill, request, headers | span, leg_params, exchange, task
                     )
             finally:
                 release_prefill()
-            self._answered_well(PREFILL, pair.prefill, began)
+            self._answered_well(Role.PREFILL, pair.prefill, began)
             prefilled = answer.status < 400
             return answer
 
@@ -293,7 +294,7 @@ class Dispatcher:
             nonlocal refused
             task = asyncio.current_task(self._loop)
             assert task is not None
-            with trace.leg(DECODE, pair.decode.name) as span:
+            with trace.leg(Role.DECODE, pair.decode.name) as span:
                 refused = await self._decode(
                     pair.decode,
                     request.decode_body(None),
@@ -327,7 +328,7 @@ class Dispatcher:
             # No tag: the decode instance's connector computes the prompt itself.
             exchange.request_id = self._new_uid()
             headers = self.leg_headers(exchange.request_id, authorization)
-            with trace.leg(DECODE, direct.decode.name) as span:
+            with trace.leg(Role.DECODE, direct.decode.name) as span:
                 await self._decode(
                     direct.decode, request.body, request, headers | span, exchange, exchange.task
                 )
@@ -340,7 +341,7 @@ class Dispatcher:
             # Without it the decode instance cannot know where the KV is: it would recompute
             # or wait, so the prefill counts as failed.
             raise self._leg_failed(
-                PREFILL,
+                Role.PREFILL,
                 prefill,
                 "no_kv_transfer_params",
                 f"answered without {PARAMS_FIELD} (is its connector really nixl?)",
@@ -363,7 +364,7 @@ class Dispatcher:
         started = time.perf_counter()
         body = request.prefill_body(leg_params)
         with (
-            self._leg(PREFILL, instance, "answer", settings.prefill_timeout) as wait,
+            self._leg(Role.PREFILL, instance, "answer", settings.prefill_timeout) as wait,
             Deadline(self._alarms, task, wait.limit),
         ):
             reply = await self._upstream.post(
@@ -380,7 +381,7 @@ class Dispatcher:
             # Counted as a success by the caller, once the answer proved usable.
             return reply
         raise self._leg_failed(
-            PREFILL,
+            Role.PREFILL,
             instance,
             _status_kind(reply.status),
             _answered(reply.status, reply.body),
@@ -410,7 +411,7 @@ class Dispatcher:
         else:
             waiting, limit = "answer", settings.decode_timeout
         with (
-            self._leg(DECODE, instance, waiting, limit + prefill_wait) as wait,
+            self._leg(Role.DECODE, instance, waiting, limit + prefill_wait) as wait,
             Deadline(self._alarms, task, wait.limit) as deadline,
         ):
             async with self._upstream.stream(
@@ -419,11 +420,11 @@ class Dispatcher:
                 if not 200 <= stream.status < 300:
                     body = await stream.read_all(settings.max_response_bytes)
                     if 400 <= stream.status < 500:
-                        self._answered_well(DECODE, instance, wait.began)
+                        self._answered_well(Role.DECODE, instance, wait.began)
                         await exchange.whole(stream.status, stream.content_type, body)
                         return True
                     raise self._leg_failed(
-                        DECODE,
+                        Role.DECODE,
                         instance,
                         _status_kind(stream.status),
                         _answered(stream.status, body),
@@ -436,7 +437,7 @@ class Dispatcher:
                     body = await stream.read_all(settings.max_response_bytes)
                     self._first_byte(exchange, started)
                     deadline.reschedule(None)
-                    self._answered_well(DECODE, instance, wait.began)
+                    self._answered_well(Role.DECODE, instance, wait.began)
                     await exchange.whole(stream.status, stream.content_type, body)
                     return False
                 chunk = await stream.next_chunk()
@@ -452,7 +453,7 @@ class Dispatcher:
                     deadline.reschedule(loop.time() + wait.limit)
                     chunk = await stream.next_chunk()
                     deadline.reschedule(None)
-                self._answered_well(DECODE, instance, wait.began)
+                self._answered_well(Role.DECODE, instance, wait.began)
                 await exchange.end_stream()
                 return False
 
@@ -460,17 +461,17 @@ class Dispatcher:
         exchange.notes.decode_first_byte_seconds = time.perf_counter() - started
         self._metrics.decode_first_byte_seen(exchange.notes.decode_first_byte_seconds)
 
-    def _leg(self, role: str, instance: Instance, what: str, limit: float) -> _LegWatch:
+    def _leg(self, role: Role, instance: Instance, what: str, limit: float) -> _LegWatch:
         """Count the leg in flight and turn its failures into 502s naming role and instance;
         `Wait` says what a timeout was waiting for."""
         return _LegWatch(self, role, instance, Wait(what, limit, self._rotation.now()))
 
-    def _answered_well(self, role: str, instance: Instance, began: float) -> None:
+    def _answered_well(self, role: Role, instance: Instance, began: float) -> None:
         self._rotation.succeeded(role, instance, began)
 
     def _leg_failed(
         self,
-        role: str,
+        role: Role,
         instance: Instance,
         kind: str,
         detail: str,
@@ -499,7 +500,7 @@ class _LegWatch:
 
     __slots__ = ("_dispatcher", "_instance", "_role", "_wait")
 
-    def __init__(self, dispatcher: Dispatcher, role: str, instance: Instance, wait: Wait) -> None:
+    def __init__(self, dispatcher: Dispatcher, role: Role, instance: Instance, wait: Wait) -> None:
         self._dispatcher = dispatcher
         self._role = role
         self._instance = instance

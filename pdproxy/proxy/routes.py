@@ -6,7 +6,7 @@ from __future__ import annotations
 import asyncio
 import logging
 from dataclasses import dataclass
-from typing import TYPE_CHECKING, Any, Literal
+from typing import TYPE_CHECKING, Any
 
 import orjson
 from fastapi import FastAPI, Request
@@ -14,6 +14,7 @@ from fastapi.responses import Response
 from pydantic import BaseModel, ConfigDict, Field, ValidationError
 from starlette.exceptions import HTTPException as StarletteHTTPException
 
+from pdproxy.base.roles import Role
 from pdproxy.http.upstream import UpstreamError
 from pdproxy.ids import Address, AddressError, parse_address
 from pdproxy.metrics import CONTENT_TYPE
@@ -24,7 +25,6 @@ from pdproxy.pairing.planner import readiness
 from pdproxy.proxy.errors import error_body
 from pdproxy.proxy.openapi import openapi_document
 from pdproxy.registry.auth import address_allowed, parse_cidrs
-from pdproxy.registry.messages import Role
 from pdproxy.registry.table import Entry, Instance, Source
 
 if TYPE_CHECKING:
@@ -196,7 +196,7 @@ def _model_card(name: str) -> dict[str, Any]:
 class _Registration(BaseModel):
     model_config = ConfigDict(extra="forbid")
 
-    role: Literal["prefill", "decode"]
+    role: Role
     http_address: str
     zmq_address: str
     model: str | None = Field(None, min_length=1, max_length=256)
@@ -221,8 +221,9 @@ async def _registration(request: Request) -> _Spec:
             f"{'.'.join(str(p) for p in e['loc']) or 'body'}: {e['msg']}" for e in exc.errors()
         )
         raise StarletteHTTPException(400, f"invalid registration: {problems}") from None
-    role = Role.PREFILL if parsed.role == "prefill" else Role.DECODE
-    return _Spec(role, _address(parsed.http_address), _address(parsed.zmq_address), parsed.model)
+    return _Spec(
+        parsed.role, _address(parsed.http_address), _address(parsed.zmq_address), parsed.model
+    )
 
 
 def _address(text: str) -> Address:
@@ -249,8 +250,8 @@ def _describe(entry: Entry, now: float, state: AppState) -> dict[str, Any]:
     geometry = instance.geometry
     load = instance.load
     return {
-        "role": "prefill" if instance.role is Role.PREFILL else "decode",
-        "type": instance.role.value,
+        "role": instance.role,
+        "type": instance.role.wire,
         "http_address": instance.name,
         "zmq_address": str(instance.zmq_address),
         "source": instance.source.value,

@@ -18,12 +18,8 @@ from typing import Any
 
 import msgpack
 
+from pdproxy.base.roles import Role
 from pdproxy.ids import Address, AddressError, parse_address
-
-
-class Role(StrEnum):
-    PREFILL = "P"
-    DECODE = "D"
 
 
 class Connector(StrEnum):
@@ -218,7 +214,7 @@ def message_version(value: object) -> int:
 def _role(payload: dict[Any, Any]) -> Role:
     role_value = _required_str(payload, "type")
     try:
-        return Role(role_value)
+        return Role.from_wire(role_value)
     except ValueError:
         raise Rejected(
             Reason.UNKNOWN_TYPE, f"type must be 'P' or 'D', got {_short(role_value)}"

@@ -15,20 +15,14 @@ from collections.abc import Callable
 import zmq
 import zmq.asyncio
 
+from pdproxy.base.roles import Role
 from pdproxy.config import Settings
 from pdproxy.ids import Address, AddressError, parse_address
 from pdproxy.metrics import Metrics
 from pdproxy.pairing.consistency import contradiction
 from pdproxy.registry.auth import RegistryGate, Verifier, parse_cidrs
 from pdproxy.registry.kv_stats import KvTransferStats, RankReport, TransferRecord
-from pdproxy.registry.messages import (
-    Announcement,
-    Leave,
-    Reason,
-    Rejected,
-    Role,
-    Stats,
-)
+from pdproxy.registry.messages import Announcement, Leave, Reason, Rejected, Stats
 from pdproxy.registry.table import Change, Instance, RegistryTable, Source
 
 log = logging.getLogger("pdproxy.registry")
@@ -245,9 +239,9 @@ class RegistryServer:
         if sender is None or sender.role is not stats.role:
             raise Rejected(
                 Reason.UNKNOWN_INSTANCE,
-                f"{stats.http_address} is not registered as {_role_name_of(stats.role)}",
+                f"{stats.http_address} is not registered as {stats.role}",
             )
-        other = Role.DECODE if stats.role is Role.PREFILL else Role.PREFILL
+        other = stats.role.other
         for transfer in stats.transfers:
             peer = self._table.lookup(transfer.peer, other)
             report = RankReport(
@@ -306,7 +300,7 @@ class RegistryServer:
 
     def publish_counts(self) -> None:
         for role in Role:
-            self._metrics.registry_instances.labels(role.value).set(self._table.count(role))
+            self._metrics.registry_instances.labels(role).set(self._table.count(role))
 
     def sweep(self) -> list[Instance]:
         now = self._clock()
@@ -401,8 +395,4 @@ def _auth_summary(settings: Settings) -> str:
 
 def _role_name(instance: Instance) -> str:
     kind = "static " if instance.source is Source.STATIC else ""
-    return kind + _role_name_of(instance.role)
-
-
-def _role_name_of(role: Role) -> str:
-    return "prefill" if role is Role.PREFILL else "decode"
+    return kind + instance.role

@@ -19,16 +19,9 @@ from collections.abc import Iterable
 from dataclasses import dataclass, field, replace
 from enum import StrEnum
 
+from pdproxy.base.roles import Role
 from pdproxy.ids import Address
-from pdproxy.registry.messages import (
-    Announcement,
-    Connector,
-    Geometry,
-    Load,
-    Reason,
-    Rejected,
-    Role,
-)
+from pdproxy.registry.messages import Announcement, Connector, Geometry, Load, Reason, Rejected
 
 
 class Source(StrEnum):

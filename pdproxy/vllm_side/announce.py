@@ -22,6 +22,7 @@ from pathlib import Path
 from types import FrameType
 from typing import Any
 
+from pdproxy.base.roles import WIRE_LETTERS, Role
 from pdproxy.ids import AddressError, parse_address
 from pdproxy.registry.messages import MAX_DTYPE_NAME
 from pdproxy.vllm_side.announcement import WorkerGeometry, WorkerIdentity, context_length
@@ -112,7 +113,7 @@ def add_cli(commands: Any) -> None:
         description="Announce one vLLM server to a pdproxy registry (v1: model, connector, "
         "geometry, load scraped from its /metrics) until SIGTERM, then send 'leave'.",
     )
-    parser.add_argument("--role", choices=["P", "D"], required=True)
+    parser.add_argument("--role", choices=WIRE_LETTERS, required=True)
     parser.add_argument("--http-address", required=True, help="the server's HOST:PORT")
     parser.add_argument(
         "--zmq-address", required=True, help="the KV endpoint of TP rank 0, HOST:PORT"
@@ -158,7 +159,7 @@ def build_identity(args: argparse.Namespace) -> WorkerIdentity:
         # The registry would refuse every announcement: say so now.
         raise ValueError(f"--max-model-len {args.max_model_len} is beyond any real context")
     return WorkerIdentity(
-        role=args.role,
+        role=Role.from_wire(args.role),
         http_address=args.http_address,
         zmq_address=args.zmq_address,
         model=args.model,

@@ -10,9 +10,9 @@ from collections.abc import Sequence
 from dataclasses import asdict, dataclass
 from typing import Any, Literal
 
+from pdproxy.base.roles import Role
 from pdproxy.registry.messages import MAX_MODEL_LEN, MAX_TP_SIZE, MAX_TRANSFERS
 
-WorkerRole = Literal["P", "D"]
 TransferOutcome = Literal["ok", "timeout", "error", "missing", "dropped"]
 
 
@@ -47,7 +47,7 @@ class WorkerLoad:
 class WorkerIdentity:
     """Who announces: fixed for the life of the worker."""
 
-    role: WorkerRole
+    role: Role
     http_address: str
     zmq_address: str
     model: str | None = None
@@ -69,7 +69,7 @@ def announce_message(
     message: dict[str, Any] = {
         "v": 1,
         "op": "announce",
-        "type": identity.role,
+        "type": identity.role.wire,
         "http_address": identity.http_address,
         "zmq_address": identity.zmq_address,
     }
@@ -92,7 +92,7 @@ def leave_message(identity: WorkerIdentity) -> dict[str, Any]:
     return {
         "v": 1,
         "op": "leave",
-        "type": identity.role,
+        "type": identity.role.wire,
         "http_address": identity.http_address,
         "zmq_address": identity.zmq_address,
     }
@@ -101,7 +101,7 @@ def leave_message(identity: WorkerIdentity) -> dict[str, Any]:
 def v0_message(identity: WorkerIdentity) -> dict[str, Any]:
     """Byte for byte what stock vLLM's P2pNcclEngine sends."""
     return {
-        "type": identity.role,
+        "type": identity.role.wire,
         "http_address": identity.http_address,
         "zmq_address": identity.zmq_address,
     }
@@ -130,7 +130,7 @@ class TransferStat:
 
 
 def stats_message(
-    role: WorkerRole,
+    role: Role,
     http_address: str,
     rank: int,
     ranks: int,
@@ -145,7 +145,7 @@ def stats_message(
     return {
         "v": 1,
         "op": "stats",
-        "type": role,
+        "type": role.wire,
         "http_address": http_address,
         "rank": rank,
         "ranks": ranks,

@@ -20,9 +20,10 @@ from typing import Any, Protocol
 
 import msgpack
 
+from pdproxy.base.roles import Role
 from pdproxy.registry.auth import new_nonce, signed
 from pdproxy.registry.messages import MAX_TRANSFERS, Rejected, parse_transfer
-from pdproxy.vllm_side.announcement import TransferStat, WorkerRole, stats_message
+from pdproxy.vllm_side.announcement import TransferStat, stats_message
 from pdproxy.vllm_side.registry_client import RegistryClient
 
 log = logging.getLogger("pdproxy.vllm_side")
@@ -52,7 +53,7 @@ class StatsReporter:
     def __init__(
         self,
         client: Sender,
-        role: WorkerRole,
+        role: Role,
         http_address: str,
         rank: int,
         ranks: int,
@@ -78,7 +79,7 @@ class StatsReporter:
     def connect(
         cls,
         registry_address: str,
-        role: WorkerRole,
+        role: Role,
         http_address: str,
         rank: int,
         ranks: int,

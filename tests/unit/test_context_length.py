@@ -12,6 +12,7 @@ from typing import Any
 import msgpack
 import pytest
 
+from pdproxy.base.roles import Role
 from pdproxy.ids import Address
 from pdproxy.registry.messages import MAX_MODEL_LEN, Announcement, decode_frame
 from pdproxy.testing.fake_worker.announce import announce_message as fake_announce_message
@@ -30,7 +31,7 @@ from pdproxy.vllm_side.announcement import (
 )
 from pdproxy.vllm_side.announcer import Announcer, LoadSample
 
-IDENTITY = WorkerIdentity("D", "10.0.0.6:8200", "10.0.0.6:22001", model="m")
+IDENTITY = WorkerIdentity(Role.DECODE, "10.0.0.6:8200", "10.0.0.6:22001", model="m")
 
 
 def decoded(message: dict[str, Any]) -> Announcement:
@@ -43,7 +44,7 @@ def decoded(message: dict[str, Any]) -> Announcement:
 
 
 def test_an_identity_with_a_context_length_announces_it() -> None:
-    identity = WorkerIdentity("D", "10.0.0.6:8200", "10.0.0.6:22001", max_model_len=32768)
+    identity = WorkerIdentity(Role.DECODE, "10.0.0.6:8200", "10.0.0.6:22001", max_model_len=32768)
     message = announce_message(identity)
     assert message["max_model_len"] == 32768
     assert decoded(message).max_model_len == 32768
@@ -82,7 +83,7 @@ def test_the_announcer_announces_what_its_sample_learned() -> None:
 
 def fake_config(max_model_len: int) -> WorkerConfig:
     return WorkerConfig(
-        role="D",
+        role=Role.DECODE,
         http=Address("127.0.0.1", 8000),
         kv=Address("127.0.0.1", 8001),
         proxy=Address("127.0.0.1", 30001),

@@ -30,6 +30,7 @@ import pytest
 from hypothesis import HealthCheck, given, settings
 from hypothesis import strategies as st
 
+from pdproxy.base.roles import Role
 from pdproxy.config import Settings
 from pdproxy.ids import parse_address, validate_host
 from pdproxy.metrics import Metrics
@@ -49,7 +50,6 @@ from pdproxy.registry.messages import (
     Message,
     Reason,
     Rejected,
-    Role,
     Stats,
     TransferOutcome,
     decode_frame,

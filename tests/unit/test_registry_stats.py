@@ -10,6 +10,7 @@ from typing import Any
 import msgpack
 import pytest
 
+from pdproxy.base.roles import Role
 from pdproxy.config import Settings
 from pdproxy.metrics import Metrics
 from pdproxy.registry.auth import new_nonce, signed
@@ -25,8 +26,8 @@ SECRET = "unit-registry-secret-0123"
 WALL = 1_700_000_000.0
 KV_TTL = 30.0
 INSTANCE_TTL = 100.0  # longer than KV_TTL: instances stay while transfers settle
-P = WorkerIdentity("P", "10.0.0.1:8100", "10.0.0.1:21001")
-D = WorkerIdentity("D", "10.0.0.2:8200", "10.0.0.2:22001")
+P = WorkerIdentity(Role.PREFILL, "10.0.0.1:8100", "10.0.0.1:21001")
+D = WorkerIdentity(Role.DECODE, "10.0.0.2:8200", "10.0.0.2:22001")
 PAIR = {"prefill": P.http_address, "decode": D.http_address}
 
 
@@ -145,10 +146,10 @@ def test_one_message_carries_many_transfers(registry: Registry) -> None:
 
 
 def test_an_unregistered_sender_is_refused(registry: Registry) -> None:
-    stranger = WorkerIdentity("D", "10.0.0.9:8200", "10.0.0.9:22001")
+    stranger = WorkerIdentity(Role.DECODE, "10.0.0.9:8200", "10.0.0.9:22001")
     assert registry.send(stats(stranger, stat(P.http_address))) == "unknown_instance"
     # Registered, but not in the role it claims.
-    impostor = WorkerIdentity("P", D.http_address, D.zmq_address)
+    impostor = WorkerIdentity(Role.PREFILL, D.http_address, D.zmq_address)
     assert registry.send(stats(impostor, stat(D.http_address))) == "unknown_instance"
     assert registry.transfers("ok") == 0
 

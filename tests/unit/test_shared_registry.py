@@ -8,6 +8,7 @@ from pathlib import Path
 import msgpack
 import pytest
 
+from pdproxy.base.roles import Role
 from pdproxy.config import Settings
 from pdproxy.ids import Address
 from pdproxy.metrics import Metrics
@@ -20,7 +21,6 @@ from pdproxy.multiworker.shared_state import (
     decode,
     encode,
 )
-from pdproxy.registry.messages import Role
 from pdproxy.registry.table import LOAD_REFRESH_SECONDS, Instance, Source
 
 DECODE = Address("10.0.0.2", 8200)

@@ -7,16 +7,9 @@ import math
 
 import pytest
 
+from pdproxy.base.roles import Role
 from pdproxy.ids import Address
-from pdproxy.registry.messages import (
-    Announcement,
-    Connector,
-    Geometry,
-    Load,
-    Reason,
-    Rejected,
-    Role,
-)
+from pdproxy.registry.messages import Announcement, Connector, Geometry, Load, Reason, Rejected
 from pdproxy.registry.table import (
     Change,
     Entry,

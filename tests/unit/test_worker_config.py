@@ -16,6 +16,7 @@ import pytest
 from hypothesis import given, settings
 from hypothesis import strategies as st
 
+from pdproxy.base.roles import Role
 from pdproxy.registry.messages import Announcement, decode_frame
 from pdproxy.vllm_side.announcement import (
     WorkerGeometry,
@@ -43,7 +44,7 @@ REGISTRY = {"proxy_ip": "10.0.0.1", "proxy_port": 30001, "http_port": 8100}
 
 def test_kv_producer_is_a_prefill_that_announces() -> None:
     s = connector_settings("kv_producer", None, 21001, REGISTRY, default_host="10.0.0.9")
-    assert s.role == "P"
+    assert s.role is Role.PREFILL
     assert s.registry == "10.0.0.1:30001"
     assert s.announces is True
     assert s.zmq_address == "10.0.0.9:21001"
@@ -52,7 +53,7 @@ def test_kv_producer_is_a_prefill_that_announces() -> None:
 
 def test_kv_consumer_is_a_decode() -> None:
     s = connector_settings("kv_consumer", None, 22001, REGISTRY, default_host="10.0.0.9")
-    assert s.role == "D"
+    assert s.role is Role.DECODE
     assert s.announces is True
 
 
@@ -338,7 +339,7 @@ def test_zero_sizes_raise(key: str) -> None:
 )
 def test_geometry_from_a_valid_config_is_accepted_by_the_registry(config: dict[str, Any]) -> None:
     geometry = geometry_from_model_config(config, tp_size=1, block_size=16, kv_layout="NHD")
-    message = announce_message(WorkerIdentity("P", "10.0.0.1:8100", "10.0.0.1:21001"))
+    message = announce_message(WorkerIdentity(Role.PREFILL, "10.0.0.1:8100", "10.0.0.1:21001"))
     message["geometry"] = geometry.as_map()
     decoded = decode_frame(msgpack.packb(message))
     assert isinstance(decoded, Announcement) and decoded.geometry is not None

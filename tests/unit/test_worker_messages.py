@@ -11,6 +11,7 @@ import pytest
 from hypothesis import given, settings
 from hypothesis import strategies as st
 
+from pdproxy.base.roles import Role
 from pdproxy.ids import Address
 from pdproxy.registry.messages import (
     GEOMETRY_LIMITS,
@@ -20,7 +21,6 @@ from pdproxy.registry.messages import (
     Message,
     Reason,
     Rejected,
-    Role,
     decode_frame,
 )
 from pdproxy.registry.table import Change, RegistryTable, Source
@@ -48,7 +48,7 @@ LLAMA_GEOMETRY = WorkerGeometry(
 )
 
 DECODE = WorkerIdentity(
-    role="D",
+    role=Role.DECODE,
     http_address="decode-0.pd.svc:8200",
     zmq_address="decode-0.pd.svc:22001",
     model="meta-llama/Llama-3.1-8B-Instruct",
@@ -56,7 +56,9 @@ DECODE = WorkerIdentity(
     geometry=LLAMA_GEOMETRY,
 )
 
-PREFILL = WorkerIdentity(role="P", http_address="10.0.0.5:8100", zmq_address="10.0.0.5:21001")
+PREFILL = WorkerIdentity(
+    role=Role.PREFILL, http_address="10.0.0.5:8100", zmq_address="10.0.0.5:21001"
+)
 
 
 def roundtrip(message: dict[str, Any]) -> Message:
@@ -78,7 +80,7 @@ def geometry_fields(geometry: object) -> dict[str, Any]:
 def assert_same(identity: WorkerIdentity, decoded: Announcement) -> None:
     """The decoded announcement carries exactly what the identity said."""
     assert decoded.version == 1
-    assert decoded.role is Role(identity.role)
+    assert decoded.role is identity.role
     assert str(decoded.http_address) == identity.http_address
     assert str(decoded.zmq_address) == identity.zmq_address
     assert decoded.model == identity.model
@@ -361,7 +363,7 @@ _loads = st.builds(
 )
 _identities = st.builds(
     WorkerIdentity,
-    role=st.sampled_from(["P", "D"]),
+    role=st.sampled_from(Role),
     http_address=_addresses,
     zmq_address=_addresses,
     model=st.none() | st.text(min_size=1, max_size=256),

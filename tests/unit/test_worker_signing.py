@@ -9,6 +9,7 @@ from typing import Any
 
 import pytest
 
+from pdproxy.base.roles import Role
 from pdproxy.ids import Address
 from pdproxy.registry.auth import Verifier
 from pdproxy.registry.messages import Reason, Rejected
@@ -22,7 +23,7 @@ from pdproxy.vllm_side.secret import SECRET_ENV, SecretError, read_secret_file
 
 SECRET = b"worker-secret-0123456789"
 NOW = 1_700_000_000.0
-IDENTITY = WorkerIdentity("P", "10.0.0.5:20001", "10.0.0.5:21001", model="m")
+IDENTITY = WorkerIdentity(Role.PREFILL, "10.0.0.5:20001", "10.0.0.5:21001", model="m")
 
 
 class Client:
@@ -105,7 +106,7 @@ def test_connector_reads_the_secret_file_setting() -> None:
 
 def fake_config(secret: bytes | None, announce: str = "v1") -> WorkerConfig:
     return WorkerConfig(
-        role="D",
+        role=Role.DECODE,
         http=Address("127.0.0.1", 8000),
         kv=Address("127.0.0.1", 8001),
         proxy=Address("127.0.0.1", 30001),
