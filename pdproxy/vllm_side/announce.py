@@ -24,8 +24,8 @@ from typing import Any
 
 from pdproxy.base.roles import WIRE_LETTERS, Role
 from pdproxy.ids import AddressError, parse_address
-from pdproxy.registry.messages import MAX_DTYPE_NAME
-from pdproxy.vllm_side.announcement import WorkerGeometry, WorkerIdentity, context_length
+from pdproxy.registry.messages import MAX_DTYPE_NAME, Geometry, known_fields
+from pdproxy.vllm_side.announcement import WorkerIdentity, context_length
 from pdproxy.vllm_side.announcer import DEFAULT_INTERVAL_S, Announcer, LoadSample
 from pdproxy.vllm_side.model_config import ModelConfigError, geometry_from_model_config
 from pdproxy.vllm_side.registry_client import RegistryClient
@@ -179,7 +179,7 @@ def registry_secret(args: argparse.Namespace, environ: Mapping[str, str]) -> byt
     return secret_from_text(text.encode(), SECRET_ENV)
 
 
-def _geometry(args: argparse.Namespace) -> WorkerGeometry:
+def _geometry(args: argparse.Namespace) -> Geometry:
     if args.model_config is not None:
         try:
             config = json.loads(args.model_config.read_text(encoding="utf-8"))
@@ -192,7 +192,7 @@ def _geometry(args: argparse.Namespace) -> WorkerGeometry:
         except ModelConfigError as exc:
             raise ValueError(str(exc)) from None
     else:
-        base = WorkerGeometry()
+        base = Geometry()
     # Flags win over config.json: they describe how this server runs the model.
     flags = {
         "tp_size": args.tp_size,
@@ -204,12 +204,12 @@ def _geometry(args: argparse.Namespace) -> WorkerGeometry:
         "is_mla": args.mla,
         "kv_layout": args.kv_layout,
     }
-    fields = base.as_map() | {key: value for key, value in flags.items() if value is not None}
+    fields = known_fields(base) | {key: value for key, value in flags.items() if value is not None}
     dtype = fields.get("kv_dtype")
     if dtype is not None and len(dtype) > MAX_DTYPE_NAME:
         # The registry would refuse every announcement: say so now, not in the proxy's log.
         raise ValueError(f"kv dtype {dtype[:40]!r}... is longer than {MAX_DTYPE_NAME} characters")
-    return WorkerGeometry(**fields)
+    return Geometry(**fields)
 
 
 def run(args: argparse.Namespace) -> int:

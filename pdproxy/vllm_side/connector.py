@@ -31,12 +31,8 @@ from vllm.distributed.kv_transfer.kv_connector.v1.base import (
 
 from pdproxy.base.roles import Role
 from pdproxy.pairing.geometry import KvGeometry, KvLayout
-from pdproxy.vllm_side.announcement import (
-    TransferStat,
-    WorkerGeometry,
-    WorkerIdentity,
-    context_length,
-)
+from pdproxy.registry.messages import Geometry, known_fields
+from pdproxy.vllm_side.announcement import TransferStat, WorkerIdentity, context_length
 from pdproxy.vllm_side.announcer import Announcer, LoadSample
 from pdproxy.vllm_side.connector_settings import ConnectorSettings, connector_settings
 from pdproxy.vllm_side.cpu_format import cpu_isa, format_for_isa
@@ -123,7 +119,7 @@ class PdproxyConnector(KVConnectorBase_V1):  # type: ignore[misc]
             http_address=identity.http_address,
             zmq_address=identity.zmq_address,
             model=identity.model,
-            geometry=None if identity.geometry is None else identity.geometry.as_map(),
+            geometry=None if identity.geometry is None else known_fields(identity.geometry),
         )
         secret_file = settings.registry_secret_file
         # Read before anything connects: a missing or short secret fails the engine's start.
@@ -390,7 +386,7 @@ def _max_model_len(vllm_config: Any) -> int | None:
     return context_length(getattr(vllm_config.model_config, "max_model_len", None))
 
 
-def _kv_geometry(announced: WorkerGeometry) -> KvGeometry | None:
+def _kv_geometry(announced: Geometry) -> KvGeometry | None:
     """The geometry the transfer needs, or None when vLLM did not tell all of it."""
     try:
         return KvGeometry(

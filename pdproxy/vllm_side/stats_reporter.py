@@ -22,7 +22,7 @@ import msgpack
 
 from pdproxy.base.roles import Role
 from pdproxy.registry.auth import new_nonce, signed
-from pdproxy.registry.messages import MAX_TRANSFERS, Rejected, parse_transfer
+from pdproxy.registry.messages import MAX_TRANSFERS
 from pdproxy.vllm_side.announcement import TransferStat, stats_message
 from pdproxy.vllm_side.registry_client import RegistryClient
 
@@ -104,8 +104,8 @@ class StatsReporter:
     def report(self, stat: TransferStat) -> bool:
         """Queue one entry; never blocks. False if it was refused or dropped (and counted)."""
         try:
-            parse_transfer(stat.as_map())
-        except Rejected as exc:
+            stat.report()
+        except ValueError as exc:
             with self._lock:
                 self._invalid += 1
                 first = self._invalid == 1

@@ -14,7 +14,7 @@ import pytest
 
 from pdproxy.base.roles import Role
 from pdproxy.ids import Address
-from pdproxy.registry.messages import MAX_MODEL_LEN, Announcement, decode_frame
+from pdproxy.registry.messages import MAX_MODEL_LEN, Announcement, Load, decode_frame
 from pdproxy.testing.fake_worker.announce import announce_message as fake_announce_message
 from pdproxy.testing.fake_worker.config import Geometry, WorkerConfig
 from pdproxy.vllm_side.announce import (
@@ -23,12 +23,7 @@ from pdproxy.vllm_side.announce import (
     build_identity,
     context_length_from_models,
 )
-from pdproxy.vllm_side.announcement import (
-    WorkerIdentity,
-    WorkerLoad,
-    announce_message,
-    context_length,
-)
+from pdproxy.vllm_side.announcement import WorkerIdentity, announce_message, context_length
 from pdproxy.vllm_side.announcer import Announcer, LoadSample
 
 IDENTITY = WorkerIdentity(Role.DECODE, "10.0.0.6:8200", "10.0.0.6:22001", model="m")
@@ -72,7 +67,7 @@ class Client:
 
 
 def test_the_announcer_announces_what_its_sample_learned() -> None:
-    samples = iter([LoadSample(None), LoadSample(WorkerLoad(running=1), max_model_len=2048)])
+    samples = iter([LoadSample(None), LoadSample(Load(running=1), max_model_len=2048)])
     client = Client()
     announcer = Announcer(client, IDENTITY, lambda: next(samples))  # type: ignore[arg-type]
     announcer.announce_once()
@@ -101,7 +96,7 @@ def fake_config(max_model_len: int) -> WorkerConfig:
 
 
 def test_the_fake_worker_announces_its_own_max_model_len() -> None:
-    message = fake_announce_message(fake_config(640), "announce", WorkerLoad())
+    message = fake_announce_message(fake_config(640), "announce", Load())
     assert decoded(message).max_model_len == 640
 
 

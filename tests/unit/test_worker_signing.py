@@ -12,11 +12,11 @@ import pytest
 from pdproxy.base.roles import Role
 from pdproxy.ids import Address
 from pdproxy.registry.auth import Verifier
-from pdproxy.registry.messages import Reason, Rejected
+from pdproxy.registry.messages import Load, Reason, Rejected
 from pdproxy.testing.fake_worker.announce import announce_message as fake_announce_message
 from pdproxy.testing.fake_worker.config import Geometry, WorkerConfig
 from pdproxy.vllm_side.announce import add_cli, registry_secret
-from pdproxy.vllm_side.announcement import WorkerIdentity, WorkerLoad
+from pdproxy.vllm_side.announcement import WorkerIdentity
 from pdproxy.vllm_side.announcer import Announcer, LoadSample
 from pdproxy.vllm_side.connector_settings import ConnectorConfigError, connector_settings
 from pdproxy.vllm_side.secret import SECRET_ENV, SecretError, read_secret_file
@@ -43,7 +43,7 @@ def run_once(secret: bytes | None) -> list[dict[str, Any]]:
     announcer = Announcer(
         client,  # type: ignore[arg-type]
         IDENTITY,
-        lambda: LoadSample(WorkerLoad(running=1)),
+        lambda: LoadSample(Load(running=1)),
         interval_s=0.01,
         secret=secret,
         wall_clock=lambda: NOW,
@@ -129,8 +129,8 @@ def test_the_fake_worker_signs_v1_but_not_v0() -> None:
     assert SECRET.decode() not in repr(cfg)
     verifier = Verifier(SECRET, max_skew_s=3600)
     for op in ("announce", "leave"):
-        verifier.verify(fake_announce_message(cfg, op, WorkerLoad()), time.time())
-    assert "auth" not in fake_announce_message(fake_config(SECRET, "v0"), "announce", WorkerLoad())
+        verifier.verify(fake_announce_message(cfg, op, Load()), time.time())
+    assert "auth" not in fake_announce_message(fake_config(SECRET, "v0"), "announce", Load())
     with pytest.raises(Rejected) as info:
-        verifier.verify(fake_announce_message(fake_config(None), "announce", WorkerLoad()), NOW)
+        verifier.verify(fake_announce_message(fake_config(None), "announce", Load()), NOW)
     assert info.value.reason is Reason.UNSIGNED
