@@ -351,7 +351,7 @@ class Upstream:
         path: str,
         body: bytes | None,
         headers: Mapping[str, str],
-    ) -> _Exchange:
+    ) -> _StreamCall:
         """`async with upstream.stream(...) as stream:` sends a request and enters once its
         status and headers arrived.
 
@@ -359,7 +359,7 @@ class Upstream:
         closes the connection instead of pooling it, so the instance sees the disconnect and
         aborts the request.
         """
-        return _Exchange(self, address, _request_head(method, address, path, body, headers), body)
+        return _StreamCall(self, address, _request_head(method, address, path, body, headers), body)
 
     async def _wait_for_slot(self) -> None:
         # Waiting for a free slot is the proxy's own congestion, not the instance's: it gets
@@ -374,7 +374,7 @@ class Upstream:
                 f"{self._connect_timeout:g}s",
             ) from None
 
-    async def _exchange(self, address: Address, head: bytes, body: bytes | None) -> _Connection:
+    async def _open(self, address: Address, head: bytes, body: bytes | None) -> _Connection:
         loop = self._loop
         pool = self._pools.get(address)
         pooled = None if pool is None else pool.take(loop.time())
@@ -440,7 +440,7 @@ class Upstream:
                     del self._pools[address]
 
 
-class _Exchange:
+class _StreamCall:
     """Upstream.stream's context manager. (A class, not an async generator: two per request.)"""
 
     __slots__ = ("_address", "_body", "_connection", "_head", "_upstream")
@@ -457,7 +457,7 @@ class _Exchange:
         if not upstream._slots.try_take():
             await upstream._wait_for_slot()
         try:
-            self._connection = await upstream._exchange(self._address, self._head, self._body)
+            self._connection = await upstream._open(self._address, self._head, self._body)
         except BaseException:
             upstream._slots.give_back()
             raise

@@ -18,13 +18,13 @@ from enum import StrEnum
 from typing import TypeVar
 
 from pdproxy.ids import Address
-from pdproxy.registry.table import Entry, Instance
+from pdproxy.registry.table import Instance, Registration
 
 
 @dataclass(frozen=True, slots=True)
 class SharedState:
     revision: int  # rises with every change, across restarts of the registry process
-    entries: tuple[Entry, ...]
+    entries: tuple[Registration, ...]
     drained: frozenset[str]
 
 

@@ -66,7 +66,7 @@ class Rotation:
         if snapshot.version != self._retained_version:
             # Membership may have changed: forget the health of instances that left (those
             # announced unhealthy are still registered and keep theirs).
-            self._outliers.retain(e.instance.name for e in self._table.entries())
+            self._outliers.retain(e.instance.name for e in self._table.registrations())
             self._retained_version = snapshot.version
         return snapshot
 

@@ -25,7 +25,7 @@ from pdproxy.pairing.planner import readiness
 from pdproxy.proxy.errors import error_body
 from pdproxy.proxy.openapi import openapi_document
 from pdproxy.registry.auth import address_allowed, parse_cidrs
-from pdproxy.registry.table import Entry, Instance, Source
+from pdproxy.registry.table import Instance, Registration, Source
 
 if TYPE_CHECKING:
     from pdproxy.proxy.app import AppState, PdproxyApp
@@ -85,7 +85,9 @@ def install_routes(api: FastAPI, app: PdproxyApp) -> None:
     async def instances() -> Response:
         state = app.state
         now = state.clock()
-        entries = sorted(state.table.entries(), key=lambda e: (e.instance.role, e.instance.name))
+        entries = sorted(
+            state.table.registrations(), key=lambda e: (e.instance.role, e.instance.name)
+        )
         return _json(
             {
                 "ttl_seconds": state.table.ttl,
@@ -243,7 +245,7 @@ def _require_admin(app: PdproxyApp, request: Request) -> None:
         )
 
 
-def _describe(entry: Entry, now: float, state: AppState) -> dict[str, Any]:
+def _describe(entry: Registration, now: float, state: AppState) -> dict[str, Any]:
     instance = entry.instance
     health = state.outliers.status(instance.name, now)
     busy = state.planner.inflight.get(instance.http_address)

@@ -226,7 +226,7 @@ class RegistryServer:
             self._metrics.instance_joined(instance.name)
         if change in (Change.REGISTERED, Change.UPDATED):
             self.publish_counts()
-            others = (entry.instance for entry in self._table.entries())
+            others = (entry.instance for entry in self._table.registrations())
             problem = contradiction(instance, others)
             if problem is not None:
                 log.warning("registry: %s", problem)
@@ -282,7 +282,9 @@ class RegistryServer:
 
     def add_static(self, instance: Instance) -> None:
         """An operator's registration (admin API); Rejected when the registry is full."""
-        known = any(e.instance.http_address == instance.http_address for e in self._table.entries())
+        known = any(
+            e.instance.http_address == instance.http_address for e in self._table.registrations()
+        )
         self._table.add_static(instance, self._clock())
         log.info("registry: %s %s registered by an admin", _role_name(instance), instance.name)
         if not known:

@@ -15,7 +15,7 @@ from prometheus_client.parser import text_string_to_metric_families
 
 from pdproxy.base.roles import Role
 from pdproxy.metrics import Metrics
-from pdproxy.proxy.entry import COMPLETION_PATHS, COUNTED_PATHS
+from pdproxy.proxy.front import COMPLETION_PATHS, COUNTED_PATHS
 from pdproxy.reliability.outlier import Circuit
 from pdproxy.testing.fleet import WorkerSpec
 from pdproxy.testing.processes import wait_until

@@ -169,10 +169,10 @@ def test_a_peer_in_the_wrong_role_is_not_a_peer(registry: Registry) -> None:
 
 
 def test_stats_do_not_keep_an_instance_alive(registry: Registry) -> None:
-    seen = {e.instance.name: e.last_seen for e in registry.table.entries()}
+    seen = {e.instance.name: e.last_seen for e in registry.table.registrations()}
     registry.clock.now += INSTANCE_TTL / 2
     registry.send(stats(D, stat(P.http_address)))
-    assert {e.instance.name: e.last_seen for e in registry.table.entries()} == seen
+    assert {e.instance.name: e.last_seen for e in registry.table.registrations()} == seen
     registry.clock.now += INSTANCE_TTL / 2 + 1  # past the TTL since the announcements
     expired = registry.server.sweep()
     assert {i.name for i in expired} == {P.http_address, D.http_address}

@@ -257,7 +257,7 @@ def snapshot_names(table: RegistryTable, now: float | None = None) -> set[str]:
 
 
 def entry_names(table: RegistryTable) -> set[str]:
-    return {e.instance.name for e in table.entries()}
+    return {e.instance.name for e in table.registrations()}
 
 
 def test_unhealthy_instance_stays_listed_but_leaves_the_snapshot() -> None:
@@ -327,7 +327,7 @@ def test_leave_removes_an_unhealthy_instance() -> None:
     assert isinstance(leave, Leave)
     gone = table.remove(leave.http_address)
     assert gone is not None and gone.name == DECODE.http_address
-    assert table.entries() == []
+    assert table.registrations() == []
 
 
 # --- property: every value the decoder accepts survives the trip ---------------------------------
