@@ -39,13 +39,14 @@ from fleet_sim import FleetSim, FleetSpec, RunResult
 from loadgen import percentile
 from workload import Workload, WorkloadSpec, build_workload
 
+from pdproxy.base.roles import Role
 from pdproxy.config import Settings
 from pdproxy.ids import Address
 from pdproxy.pairing.features import RequestFeatures
 from pdproxy.pairing.planner import Pair, Planner, class_key
 from pdproxy.pairing.policies import make_policy
 from pdproxy.proxy.state import planner_from
-from pdproxy.registry.messages import Connector, Geometry, Load, Role
+from pdproxy.registry.messages import Connector, Geometry, Load
 from pdproxy.registry.table import Instance, Snapshot, Source
 
 DEFAULT_POLICIES = (

@@ -41,10 +41,11 @@ from dataclasses import dataclass, field
 
 from workload import Request
 
+from pdproxy.base.roles import Role
 from pdproxy.ids import Address
 from pdproxy.pairing.geometry import PairPlan, plan_pair, side_of
 from pdproxy.pairing.planner import NoPair, Pair, Planner
-from pdproxy.registry.messages import Announcement, Connector, Geometry, Load, Role
+from pdproxy.registry.messages import Announcement, Connector, Geometry, Load
 from pdproxy.registry.table import RegistryTable
 
 # Llama 3.1 8B, TP 1, bf16 KV, vLLM's default 16-token blocks: 128 KiB of KV per token.

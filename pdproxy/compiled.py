@@ -14,7 +14,7 @@ import importlib.util
 
 # Dotted names. mypyc cannot compile async generators (proxy/app.py has one) nor subclasses of
 # most built-in exceptions (proxy/tracing.py has one): the per-request parts of both live in
-# modules of their own (proxy/entry.py, proxy/w3c_tracing.py).
+# modules of their own (proxy/front.py, tracing/w3c.py).
 #
 # Dataclasses made per request have a hand-written __init__ (init=False) and are not frozen:
 # mypyc compiles a class's own methods, but the __init__ the dataclasses module generates runs
@@ -42,7 +42,7 @@ COMPILED_MODULES = (
     "pdproxy.proxy.credentials",
     "pdproxy.http.deadline",
     "pdproxy.proxy.dispatch",
-    "pdproxy.proxy.entry",
+    "pdproxy.proxy.front",
     "pdproxy.proxy.exchange",
     "pdproxy.http.server_protocol",
     "pdproxy.proxy.kv_params",

@@ -26,10 +26,11 @@ from prometheus_client.exposition import CONTENT_TYPE_LATEST, generate_latest
 from prometheus_client.multiprocess import MultiProcessCollector
 from prometheus_client.registry import Collector
 
+from pdproxy.base.roles import Role
 from pdproxy.local_metrics import LocalCounter, LocalGauge, LocalHistogram
 from pdproxy.pairing.planner import Unpaired
 from pdproxy.registry.kv_stats import COUNTED_OUTCOMES, TransferRecord
-from pdproxy.registry.messages import Reason, Role, TransferOutcome
+from pdproxy.registry.messages import Reason, TransferOutcome
 from pdproxy.reliability.failures import FAILURES, RETRIED_KINDS
 from pdproxy.reliability.outlier import CIRCUIT_LEVEL, Circuit
 
@@ -79,9 +80,6 @@ _KV_TRANSFER_BUCKETS = (
 )
 
 CONTENT_TYPE = CONTENT_TYPE_LATEST
-PREFILL = "prefill"
-DECODE = "decode"
-LEG_ROLES = (PREFILL, DECODE)  # the role label of in-flight legs and upstream errors
 REFUSALS = ("queue_full", "queue_timeout", "draining", "unauthorized", "ambiguous_authorization")
 DECODE_REFUSED = "decode_refused"
 KV_ORPHAN_REASONS = (DECODE_REFUSED,)
@@ -273,19 +271,19 @@ class Metrics:
             self.kv_orphaned.labels(reason)
         for reason in REFUSALS:
             self.refused.labels(reason)
-        for role in LEG_ROLES:
+        for role in Role:
             for kind in FAILURES:
                 self.upstream_errors.labels(role, kind.value)
             for kind in sorted(RETRIED_KINDS):
                 self.retries.labels(role, kind.value)
         for outcome in ("ok", "failed"):
             self.health_probes.labels(outcome)
-        for role in LEG_ROLES:
+        for role in Role:
             self.ejections.labels(role)
         for unpaired in Unpaired:
             self.unpaired.labels(unpaired.value)
         for role in Role:
-            self.registry_instances.labels(role.value)
+            self.registry_instances.labels(role)
         for reason in Reason:
             self.registry_messages.labels("rejected", reason.value)
         self._departed: set[str] = set()
@@ -340,7 +338,7 @@ class Metrics:
         else:
             self._local.admitted.set(count)
 
-    def leg_started(self, role: str, instance: str) -> None:
+    def leg_started(self, role: Role, instance: str) -> None:
         key = (role, instance)
         legs = self._legs.get(key)
         if legs is None:
@@ -352,7 +350,7 @@ class Metrics:
         if legs.gauge is not None:
             legs.gauge.inc()
 
-    def leg_finished(self, role: str, instance: str) -> None:
+    def leg_finished(self, role: Role, instance: str) -> None:
         key = (role, instance)
         legs = self._legs[key]
         legs.count -= 1
@@ -373,7 +371,7 @@ class Metrics:
         """Drop the instance's label sets now, or when its last in-flight leg ends (removing a
         gauge that is still decremented later would resurrect it at -1)."""
         busy = False
-        for role in LEG_ROLES:
+        for role in Role:
             if (role, instance) in self._legs:
                 busy = True
             else:
@@ -389,13 +387,13 @@ class Metrics:
                 with contextlib.suppress(KeyError):
                     family.remove(*pair)
 
-    def _remove_inflight(self, role: str, instance: str) -> None:
+    def _remove_inflight(self, role: Role, instance: str) -> None:
         if self.shared:  # a series in the shared files cannot be removed, only zeroed
             if (role, instance) in self._inflight_sets:  # never make a series to zero it
                 self.inflight.labels(role, instance).set(0)
         else:
             self._inflight_sets.discard((role, instance))
-        if all((r, instance) not in self._legs for r in LEG_ROLES):
+        if all((r, instance) not in self._legs for r in Role):
             self._departed.discard(instance)
 
     def watch_circuits(self, circuits: Callable[[], Mapping[str, Circuit]]) -> None:

@@ -2,8 +2,9 @@
 
 from __future__ import annotations
 
+from pdproxy.base.roles import Role
 from pdproxy.ids import Address
-from pdproxy.registry.messages import Connector, Geometry, Role
+from pdproxy.registry.messages import Connector, Geometry
 from pdproxy.registry.table import Instance, Source
 
 P2P, NIXL, PDPROXY = Connector.P2P_NCCL, Connector.NIXL, Connector.PDPROXY

@@ -18,13 +18,8 @@ import zmq.asyncio
 from pdproxy.fake_vllm.asyncio_helpers import cancel_task
 from pdproxy.fake_vllm.config import WorkerConfig
 from pdproxy.registry.auth import new_nonce, signed
-from pdproxy.vllm_side.announcement import (
-    WorkerGeometry,
-    WorkerIdentity,
-    WorkerLoad,
-    leave_message,
-    v0_message,
-)
+from pdproxy.registry.messages import Geometry, Load
+from pdproxy.vllm_side.announcement import WorkerIdentity, leave_message, v0_message
 from pdproxy.vllm_side.announcement import announce_message as worker_announce_message
 
 log = logging.getLogger("pdproxy.fake_vllm")
@@ -34,14 +29,14 @@ ANNOUNCE_LINGER_MS = 500  # long enough for a final "leave" to get out, short en
 LEAVE_SEND_TIMEOUT_S = 0.5
 
 
-def announce_message(cfg: WorkerConfig, op: str, load: WorkerLoad) -> dict[str, Any]:
+def announce_message(cfg: WorkerConfig, op: str, load: Load) -> dict[str, Any]:
     identity = WorkerIdentity(
         role=cfg.role,
         http_address=str(cfg.http),
         zmq_address=str(cfg.kv),
         model=cfg.model,
         connector=cfg.connector,
-        geometry=WorkerGeometry(**asdict(cfg.geometry)),
+        geometry=Geometry(**asdict(cfg.geometry)),
         max_model_len=cfg.max_model_len,
     )
     if cfg.announce == "v0":
@@ -62,7 +57,7 @@ async def send_frame(sock: zmq.asyncio.Socket, message: dict[str, Any], timeout_
 
 
 async def announce_forever(
-    cfg: WorkerConfig, sock: zmq.asyncio.Socket, load: Callable[[], WorkerLoad]
+    cfg: WorkerConfig, sock: zmq.asyncio.Socket, load: Callable[[], Load]
 ) -> None:
     while True:
         message = announce_message(cfg, "announce", load())
@@ -85,7 +80,7 @@ async def start_announcing(
     stack: contextlib.AsyncExitStack,
     ctx: zmq.asyncio.Context,
     cfg: WorkerConfig,
-    load: Callable[[], WorkerLoad],
+    load: Callable[[], Load],
 ) -> None:
     sock = registry_socket(ctx, cfg)
     stack.callback(sock.close, ANNOUNCE_LINGER_MS)

@@ -5,6 +5,7 @@ from __future__ import annotations
 import argparse
 from pathlib import Path
 
+from pdproxy.base.roles import WIRE_LETTERS, Role
 from pdproxy.fake_vllm.config import (
     CONNECTOR_KINDS,
     DEFAULT_HTTP_BACKLOG,
@@ -52,7 +53,7 @@ def parse_proxy(text: str) -> Address:
 
 def add_arguments(parser: argparse.ArgumentParser) -> None:
     add = parser.add_argument
-    add("--role", choices=("P", "D"), required=True, help="prefill (P) or decode (D) worker")
+    add("--role", choices=WIRE_LETTERS, required=True, help="prefill (P) or decode (D) worker")
     add(
         "--host",
         default="127.0.0.1",
@@ -181,7 +182,7 @@ def config_from_args(args: argparse.Namespace) -> WorkerConfig:
     secret_file = args.registry_secret_file
     kv_host = args.kv_host if args.kv_host is not None else args.host
     return WorkerConfig(
-        role=args.role,
+        role=Role.from_wire(args.role),
         http=Address(args.host, args.port),
         kv=make_address(kv_host, args.kv_port),
         proxy=args.proxy,

@@ -5,9 +5,9 @@ from __future__ import annotations
 from dataclasses import dataclass, field
 from typing import Literal
 
+from pdproxy.base.roles import Role
 from pdproxy.ids import Address
 
-Role = Literal["P", "D"]
 ConnectorKind = Literal["p2p_nccl", "nixl", "pdproxy"]
 CONNECTOR_KINDS: tuple[ConnectorKind, ...] = ("p2p_nccl", "nixl", "pdproxy")
 # Connectors whose decode reads the KV from the prefill named in kv_transfer_params (vLLM's NIXL

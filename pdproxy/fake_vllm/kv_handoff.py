@@ -10,6 +10,7 @@ from __future__ import annotations
 
 from typing import Any
 
+from pdproxy.base.roles import Role
 from pdproxy.fake_vllm.asyncio_helpers import sleep
 from pdproxy.fake_vllm.config import WorkerConfig
 from pdproxy.fake_vllm.generation import Generation
@@ -49,7 +50,7 @@ class KvHandoff:
         params: dict[str, Any] | None,
         generation: Generation,
     ) -> None:
-        if self.cfg.role == "P":
+        if self.cfg.role is Role.PREFILL:
             await sleep(self.cfg.prefill_latency_s)
             decode = self.push.decode_address(header_id, generation.chat)
             if header_id is not None and decode is not None:
@@ -73,7 +74,7 @@ class KvHandoff:
             asked = leg(params)
         except ParamsError as err:
             raise self._failure(request_id, "bad_params", f"kv_transfer_params: {err}") from None
-        if self.cfg.role == "P":
+        if self.cfg.role is Role.PREFILL:
             if asked == "remote_prefill":
                 raise self._failure(
                     request_id, "wrong_role", "asked to decode (do_remote_prefill) on a prefill"
@@ -98,6 +99,6 @@ class KvHandoff:
         await sleep(self.cfg.prefill_latency_s)
 
     def _failure(self, request_id: str, reason: str, what: str) -> Exception:
-        role = "prefill" if self.cfg.role == "P" else "decode"
-        message = f"fake {role} {self.cfg.kv} ({self.cfg.connector}): request {request_id}: {what}"
+        cfg = self.cfg
+        message = f"fake {cfg.role} {cfg.kv} ({cfg.connector}): request {request_id}: {what}"
         return kv_failure(self.records, request_id, reason, message)

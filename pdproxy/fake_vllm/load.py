@@ -9,7 +9,7 @@ from dataclasses import asdict, dataclass
 from typing import Any
 
 from pdproxy.fake_vllm.http_json import ApiError
-from pdproxy.vllm_side.announcement import WorkerLoad
+from pdproxy.registry.messages import Load, known_fields
 
 
 @dataclass(frozen=True, slots=True)
@@ -54,14 +54,14 @@ class LoadTracker:
             self.running -= 1
             self.tokens -= share.tokens
 
-    def measured(self) -> WorkerLoad:
+    def measured(self) -> Load:
         # Nothing queues in the fake: every admitted request runs at once, so waiting is 0.
         usage = min(1.0, max(0.0, self.tokens / self.capacity_tokens))
-        return WorkerLoad(running=self.running, waiting=0, kv_usage=usage)
+        return Load(running=self.running, waiting=0, kv_usage=usage)
 
-    def announced(self) -> WorkerLoad:
+    def announced(self) -> Load:
         measured, forced = self.measured(), self.forced
-        return WorkerLoad(
+        return Load(
             running=measured.running if forced.running is None else forced.running,
             waiting=measured.waiting if forced.waiting is None else forced.waiting,
             kv_usage=measured.kv_usage if forced.kv_usage is None else forced.kv_usage,
@@ -69,8 +69,8 @@ class LoadTracker:
 
     def as_json(self) -> dict[str, Any]:
         return {
-            "announced": self.announced().as_map(),
-            "measured": self.measured().as_map(),
+            "announced": known_fields(self.announced()),
+            "measured": known_fields(self.measured()),
             "forced": asdict(self.forced),
             "capacity_tokens": self.capacity_tokens,
             "peak_running": self.peak_running,

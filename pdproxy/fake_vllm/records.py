@@ -47,7 +47,7 @@ def stamp() -> dict[str, float]:
 
 
 @dataclass(slots=True)
-class Exchange:
+class RecordedRequest:
     """One completion request as the records know it."""
 
     record_id: str  # X-Request-Id, or the response id when the header is absent
@@ -69,12 +69,12 @@ class Records:
         assert reason in KV_FAILURE_REASONS, reason
         self.add("kv_failed", {**entry, "reason": reason, **stamp()})
 
-    def add_abort(self, exchange: Exchange) -> None:
+    def add_abort(self, recorded: RecordedRequest) -> None:
         # Both a reset connection and the handler's cancellation may report one abort.
-        if not exchange.aborted:
-            exchange.aborted = True
+        if not recorded.aborted:
+            recorded.aborted = True
             self.add(
-                "aborted", {"request_id": exchange.record_id, "path": exchange.path, **stamp()}
+                "aborted", {"request_id": recorded.record_id, "path": recorded.path, **stamp()}
             )
 
     def events_snapshot(self) -> dict[str, list[Any]]:

@@ -24,7 +24,7 @@ from pdproxy.fake_vllm.kv_stats import KvStats
 from pdproxy.fake_vllm.kv_store import KvStore
 from pdproxy.fake_vllm.kv_transport import KvSender
 from pdproxy.fake_vllm.load import LoadTracker, Share
-from pdproxy.fake_vllm.records import Exchange, Records
+from pdproxy.fake_vllm.records import RecordedRequest, Records
 from pdproxy.fake_vllm.responses import Envelope, full_response
 from pdproxy.fake_vllm.streaming import SSE_DONE, chunks, sse
 
@@ -88,12 +88,12 @@ class FakeWorker:
     async def _generate(self, request: web.Request, chat: bool) -> web.StreamResponse:
         header_id = request.headers.get("X-Request-Id")
         response_id = f"{'chatcmpl' if chat else 'cmpl'}-{header_id or uuid.uuid4().hex}"
-        exchange = Exchange(header_id or response_id, request.path)
+        recorded = RecordedRequest(header_id or response_id, request.path)
         try:
-            return await self._answer(request, chat, header_id, response_id, exchange)
+            return await self._answer(request, chat, header_id, response_id, recorded)
         except asyncio.CancelledError:
             # handler_cancellation: the client went away (or the server is stopping).
-            self.records.add_abort(exchange)
+            self.records.add_abort(recorded)
             raise
 
     async def _answer(
@@ -102,7 +102,7 @@ class FakeWorker:
         chat: bool,
         header_id: str | None,
         response_id: str,
-        exchange: Exchange,
+        recorded: RecordedRequest,
     ) -> web.StreamResponse:
         behaviour = self.control.behaviour
         await sleep(behaviour.delay_s)
@@ -118,7 +118,7 @@ class FakeWorker:
         with self.load.occupy(generation.prompt_tokens) as share:
             try:
                 answer_params = await self.kv_handoff.before_first_token(
-                    exchange.record_id, header_id, params, generation
+                    recorded.record_id, header_id, params, generation
                 )
             except ApiError as err:
                 return err.response()
@@ -126,25 +126,25 @@ class FakeWorker:
             drop = behaviour.drop_after_chunks
             if generation.stream:
                 # Like vLLM, a streamed answer carries no kv_transfer_params.
-                return await self._stream(request, env, generation, exchange, share, drop)
+                return await self._stream(request, env, generation, recorded, share, drop)
             if drop is not None:
                 _cut(request)
-                self.records.add_abort(exchange)
+                self.records.add_abort(recorded)
                 return web.Response(status=500)  # never sent: the connection is gone
-            return await self._whole(env, generation, exchange, share, answer_params)
+            return await self._whole(env, generation, recorded, share, answer_params)
 
     async def _whole(
         self,
         env: Envelope,
         generation: Generation,
-        exchange: Exchange,
+        recorded: RecordedRequest,
         share: Share,
         kv_transfer_params: dict[str, Any] | None,
     ) -> web.StreamResponse:
         for _ in range(generation.max_tokens):  # token by token, so the load grows as it would
             await sleep(self.cfg.token_latency_s)
             share.generated(len(generation.prompts))
-        self.records.add("completed", exchange.record_id)
+        self.records.add("completed", recorded.record_id)
         answer = full_response(env, generation)
         if kv_transfer_params is not None:
             answer["kv_transfer_params"] = kv_transfer_params
@@ -155,7 +155,7 @@ class FakeWorker:
         request: web.Request,
         env: Envelope,
         generation: Generation,
-        exchange: Exchange,
+        recorded: RecordedRequest,
         share: Share,
         drop_after_chunks: int | None = None,
     ) -> web.StreamResponse:
@@ -168,16 +168,16 @@ class FakeWorker:
             async for chunk in chunks(env, generation, self.cfg.token_latency_s, share.generated):
                 if sent == drop_after_chunks:
                     _cut(request)
-                    self.records.add_abort(exchange)
+                    self.records.add_abort(recorded)
                     return response
                 await response.write(sse(chunk))
                 sent += 1
             await response.write(SSE_DONE)
         except ConnectionResetError:
             # The peer closed before the handler was cancelled; aiohttp copes with the return.
-            self.records.add_abort(exchange)
+            self.records.add_abort(recorded)
             return response
-        self.records.add("completed", exchange.record_id)
+        self.records.add("completed", recorded.record_id)
         return response
 
 

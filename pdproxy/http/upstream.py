@@ -371,7 +371,7 @@ class Upstream:
         path: str,
         body: bytes | None,
         headers: Mapping[str, str],
-    ) -> _Exchange:
+    ) -> _StreamCall:
         """`async with upstream.stream(...) as stream:` sends a request and enters once its
         status and headers arrived.
 
@@ -380,7 +380,7 @@ class Upstream:
         aborts the request.
         """
         head = _request_head(method, address, path, body, headers, self._user_agent_line)
-        return _Exchange(self, address, head, body)
+        return _StreamCall(self, address, head, body)
 
     async def _wait_for_slot(self) -> None:
         # Waiting for a free slot is this client's own congestion, not the instance's: it gets
@@ -395,7 +395,7 @@ class Upstream:
                 f"{self._connect_timeout:g}s",
             ) from None
 
-    async def _exchange(self, address: HostPort, head: bytes, body: bytes | None) -> _Connection:
+    async def _open(self, address: HostPort, head: bytes, body: bytes | None) -> _Connection:
         loop = self._loop
         pool = self._pools.get(address)
         pooled = None if pool is None else pool.take(loop.time())
@@ -463,7 +463,7 @@ class Upstream:
                     del self._pools[address]
 
 
-class _Exchange:
+class _StreamCall:
     """Upstream.stream's context manager. (A class, not an async generator: two per request.)"""
 
     __slots__ = ("_address", "_body", "_connection", "_head", "_upstream")
@@ -480,7 +480,7 @@ class _Exchange:
         if not upstream._slots.try_take():
             await upstream._wait_for_slot()
         try:
-            self._connection = await upstream._exchange(self._address, self._head, self._body)
+            self._connection = await upstream._open(self._address, self._head, self._body)
         except BaseException:
             upstream._slots.give_back()
             raise

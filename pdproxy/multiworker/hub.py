@@ -78,7 +78,7 @@ class RegistryHub:
         if content != self._content:
             self.revision += 1
             self._content = content
-        return SharedState(self.revision, tuple(self.table.entries()), self.operator.drained)
+        return SharedState(self.revision, tuple(self.table.registrations()), self.operator.drained)
 
     def due(self, now: float) -> bool:
         """Whether to publish now (never while holding back after a restart)."""

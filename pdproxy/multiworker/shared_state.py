@@ -16,13 +16,13 @@ from dataclasses import dataclass
 from typing import TypeVar
 
 from pdproxy.registry.operator import AdminState, ControlReply, ControlRequest
-from pdproxy.registry.table import Entry
+from pdproxy.registry.table import Registration
 
 
 @dataclass(frozen=True, slots=True)
 class SharedState:
     revision: int  # rises with every change, across restarts of the registry process
-    entries: tuple[Entry, ...]
+    entries: tuple[Registration, ...]
     drained: frozenset[str]
 
 

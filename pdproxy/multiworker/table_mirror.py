@@ -68,9 +68,9 @@ class TableMirror:
         return self.revision >= revision
 
     def apply(self, state: SharedState) -> None:
-        before = {entry.instance.name for entry in self._table.entries()}
+        before = {entry.instance.name for entry in self._table.registrations()}
         self._table.adopt(state.entries)
-        after = {entry.instance.name for entry in self._table.entries()}
+        after = {entry.instance.name for entry in self._table.registrations()}
         for name in after - before:
             self._metrics.instance_joined(name)
         for name in before - after:

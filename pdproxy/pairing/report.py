@@ -5,16 +5,15 @@ from __future__ import annotations
 from collections.abc import Sequence
 from typing import Any
 
+from pdproxy.base.roles import Role
 from pdproxy.pairing.geometry import Incompatible, Mismatch, PairPlan, Unverified, Verdict
-from pdproxy.registry.messages import Role
 from pdproxy.registry.table import Instance
 
 _NAMED = 3  # instances named in a sentence before "and N more"
 
 
 def role_word(role: Role, plural: bool = False) -> str:
-    word = "prefill" if role is Role.PREFILL else "decode"
-    return word + "s" if plural else word
+    return role + "s" if plural else role
 
 
 def describe(members: Sequence[Instance]) -> str:
@@ -68,7 +67,7 @@ def orphan_reason(
 ) -> str:
     """'prefill X (p2p_nccl, tp 4) has no compatible decode: decodes have tp 2'."""
     role = members[0].role
-    other = Role.DECODE if role is Role.PREFILL else Role.PREFILL
+    other = role.other
     head = f"{describe(members)} has no compatible {role_word(other)}"
     if not rejections:
         return f"{head}: no {role_word(other)} is registered"

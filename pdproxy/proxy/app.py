@@ -18,8 +18,8 @@ from fastapi import FastAPI
 from pdproxy.config import Settings
 from pdproxy.proxy.completions import CompletionsEndpoint
 from pdproxy.proxy.credentials import Credentials
-from pdproxy.proxy.entry import COMPLETION_PATHS, Entry
 from pdproxy.proxy.exchange import Scope
+from pdproxy.proxy.front import COMPLETION_PATHS, FrontDoor
 from pdproxy.proxy.routes import install_routes
 from pdproxy.proxy.state import AppState, build_state
 from pdproxy.registry.control import OwnRegistry, RegistrySide
@@ -45,7 +45,7 @@ class PdproxyApp:
         self.credentials = credentials or Credentials.from_settings(settings)
         self.api = FastAPI(lifespan=self._lifespan, docs_url=None, redoc_url=None, openapi_url=None)
         install_routes(self.api, lambda: self.state, self.credentials)
-        self.entry = Entry(self.api, self.credentials)
+        self.front_door = FrontDoor(self.api, self.credentials)
 
     @property
     def state(self) -> AppState:
@@ -57,8 +57,8 @@ class PdproxyApp:
     async def _lifespan(self, _api: FastAPI) -> AsyncIterator[None]:
         state = await build_state(self.settings, self._clock, self._registry_side)
         self._state = state
-        self.entry.metrics = state.metrics
-        self.entry.hot = {
+        self.front_door.metrics = state.metrics
+        self.front_door.hot = {
             path: CompletionsEndpoint(
                 path,
                 self.settings,
@@ -87,8 +87,8 @@ class PdproxyApp:
         try:
             yield
         finally:
-            self.entry.hot = {}
-            self.entry.metrics = None
+            self.front_door.hot = {}
+            self.front_door.metrics = None
             await state.prober.stop()
             await state.registry_link.stop()
             await state.upstream.close()
@@ -108,8 +108,8 @@ class PdproxyApp:
         return self._state is None or self._state.admission.idle
 
     async def __call__(self, scope: Scope, receive: Any, send: Any) -> None:
-        """For ASGI servers other than pdproxy's own (run_server serves `entry` itself)."""
-        await self.entry(scope, receive, send)
+        """For ASGI servers other than pdproxy's own (run_server serves `front_door` itself)."""
+        await self.front_door(scope, receive, send)
 
 
 def create_app(settings: Settings, registry_side: RegistrySide | None = None) -> PdproxyApp:

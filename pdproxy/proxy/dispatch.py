@@ -19,12 +19,13 @@ import time
 from collections.abc import Callable
 from typing import Any
 
+from pdproxy.base.roles import Role
 from pdproxy.config import Settings
 from pdproxy.http.alarms import Alarms
 from pdproxy.http.deadline import Deadline
 from pdproxy.http.upstream import Reply, Upstream
 from pdproxy.ids import build_request_id
-from pdproxy.metrics import DECODE, DECODE_REFUSED, PREFILL, Metrics
+from pdproxy.metrics import DECODE_REFUSED, Metrics
 from pdproxy.pairing.features import RequestFeatures
 from pdproxy.proxy.errors import ProxyError
 from pdproxy.proxy.exchange import ClientHeaders, Exchange
@@ -196,7 +197,7 @@ class Dispatcher:
                     prefill, decode, request, headers, leg_params, exchange, trace
                 )
                 return
-            with trace.leg(PREFILL, prefill.instance.name) as span:
+            with trace.leg(Role.PREFILL, prefill.instance.name) as span:
                 answer = await self._prefill(
                     prefill, request, headers | span, leg_params, exchange, exchange.task
                 )
@@ -208,7 +209,7 @@ class Dispatcher:
                 return
             params = self._kv_params(prefill, answer) if uses_params(lease.connector) else None
             prefill.succeeded()
-            with trace.leg(DECODE, decode.instance.name) as span:
+            with trace.leg(Role.DECODE, decode.instance.name) as span:
                 body = request.decode_body(params)
                 refused = await self._decode(
                     decode, body, request, headers | span, exchange, exchange.task
@@ -235,7 +236,7 @@ class Dispatcher:
             task = asyncio.current_task(self._loop)
             assert task is not None
             try:
-                with trace.leg(PREFILL, prefill_leg.instance.name) as span:
+                with trace.leg(Role.PREFILL, prefill_leg.instance.name) as span:
                     answer = await self._prefill(
                         prefill_leg, request, headers | span, leg_params, exchange, task
                     )
@@ -249,7 +250,7 @@ class Dispatcher:
             nonlocal refused
             task = asyncio.current_task(self._loop)
             assert task is not None
-            with trace.leg(DECODE, decode_leg.instance.name) as span:
+            with trace.leg(Role.DECODE, decode_leg.instance.name) as span:
                 refused = await self._decode(
                     decode_leg,
                     request.decode_body(None),
@@ -282,7 +283,7 @@ class Dispatcher:
         # No tag: the decode instance's connector computes the prompt itself.
         exchange.request_id = self._new_uid()
         headers = self.leg_headers(exchange.request_id, authorization)
-        with trace.leg(DECODE, leg.instance.name) as span:
+        with trace.leg(Role.DECODE, leg.instance.name) as span:
             await self._decode(leg, request.body, request, headers | span, exchange, exchange.task)
 
     def _kv_params(self, prefill: LegLease, answer: Reply) -> dict[str, Any]:

@@ -9,7 +9,7 @@ normal shutdown runs and the process exits 0. A second signal starts that shutdo
 
 An HTTP worker of a multi-worker proxy (`worker=True`) drains on SIGTERM from its supervisor
 and takes no other signal: a terminal's Ctrl-C reaches every process of the group, and only
-the supervisor decides the order of the shutdown (see multiprocess/supervisor.py).
+the supervisor decides the order of the shutdown (see multiworker/supervisor.py).
 """
 
 from __future__ import annotations
@@ -26,7 +26,7 @@ import uvicorn
 
 from pdproxy.config import Settings
 from pdproxy.http.server_protocol import HttpProtocol
-from pdproxy.proxy.entry import Asgi
+from pdproxy.proxy.front import Asgi
 
 log = logging.getLogger("pdproxy")
 
@@ -42,7 +42,7 @@ class Drainable(Protocol):
     def idle(self) -> bool: ...
 
     @property
-    def entry(self) -> Asgi:
+    def front_door(self) -> Asgi:
         """What the server calls for each connection's requests."""
         ...
 
@@ -104,7 +104,7 @@ def run_server(
 ) -> bool:
     """Serve `app` until a signal ends the drain; False if it never started serving."""
     config = uvicorn.Config(
-        app.entry,
+        app.front_door,
         # Said, not detected: uvicorn asks inspect whether __call__ is a coroutine function,
         # and a compiled one (mypyc) does not look like one.
         interface="asgi3",

@@ -7,6 +7,7 @@ dispatcher's jobs.
 
 from __future__ import annotations
 
+from pdproxy.base.roles import Role
 from pdproxy.http.upstream import Transport, UpstreamError
 from pdproxy.proxy.errors import ProxyError
 from pdproxy.reliability.failures import FAILURES, FailureKind, Origin
@@ -45,7 +46,7 @@ class LegFailed(ProxyError):
     """A leg failed; `retryable` if another pair may serve the request instead."""
 
     def __init__(
-        self, error: ProxyError, role: str, instance: str, kind: FailureKind, retryable: bool
+        self, error: ProxyError, role: Role, instance: str, kind: FailureKind, retryable: bool
     ) -> None:
         super().__init__(
             error.status, error.message, code=error.code, param=error.param, headers=error.headers
@@ -58,7 +59,7 @@ class LegFailed(ProxyError):
 
 def leg_failed(
     kind: FailureKind,
-    role: str,
+    role: Role,
     instance: str,
     detail: str,
     answered: bool,

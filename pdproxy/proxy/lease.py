@@ -15,7 +15,7 @@ from __future__ import annotations
 
 from types import TracebackType
 
-from pdproxy.metrics import DECODE, PREFILL
+from pdproxy.base.roles import Role
 from pdproxy.pairing.features import RequestFeatures
 from pdproxy.pairing.planner import Pair
 from pdproxy.proxy.failures import LegFailed, classify, leg_failed
@@ -43,7 +43,7 @@ class LegLease:
         "waiting",
     )
 
-    def __init__(self, rotation: Rotation, role: str, instance: Instance, tokens: int) -> None:
+    def __init__(self, rotation: Rotation, role: Role, instance: Instance, tokens: int) -> None:
         self._rotation = rotation
         self.role = role
         self.instance = instance
@@ -143,8 +143,8 @@ def lease_pair(rotation: Rotation, pair: Pair) -> PairLease:
     """The legs of a pair `rotation.choose` returned, taken over before any await (a plain
     function, not a coroutine wrapping choose: one coroutine less per request)."""
     return PairLease(
-        LegLease(rotation, PREFILL, pair.prefill, pair.prefill_tokens),
-        LegLease(rotation, DECODE, pair.decode, pair.decode_tokens),
+        LegLease(rotation, Role.PREFILL, pair.prefill, pair.prefill_tokens),
+        LegLease(rotation, Role.DECODE, pair.decode, pair.decode_tokens),
         pair.connector,
     )
 
@@ -156,4 +156,6 @@ def lease_direct(
     direct = rotation.choose_direct(features, avoid)
     if direct is None:
         return None
-    return PairLease(None, LegLease(rotation, DECODE, direct.decode, direct.decode_tokens), None)
+    return PairLease(
+        None, LegLease(rotation, Role.DECODE, direct.decode, direct.decode_tokens), None
+    )

@@ -14,7 +14,6 @@ from collections.abc import Callable
 from pdproxy.http.upstream import Upstream, UpstreamError
 from pdproxy.metrics import Metrics
 from pdproxy.proxy.failures import is_local
-from pdproxy.registry.messages import Role
 from pdproxy.registry.table import Instance, RegistryTable
 from pdproxy.reliability.outlier import OutlierDetector
 
@@ -22,7 +21,6 @@ log = logging.getLogger("pdproxy.prober")
 
 _PROBE_LIMIT = 64 * 1024
 _CONCURRENT_PROBES = 64
-_ROLE_LABELS = {Role.PREFILL: "prefill", Role.DECODE: "decode"}
 
 
 class HealthProber:
@@ -93,7 +91,7 @@ class HealthProber:
             self._outliers.probe_succeeded(instance.name, now)
             return
         self._metrics.health_probes.labels("failed").inc()
-        role = _ROLE_LABELS[instance.role]
+        role = instance.role
         if self._outliers.failure(instance.name, role, now, self._table.count(instance.role)):
             self._metrics.ejections.labels(role).inc()
             log.warning("%s instance %s ejected: its /health probes fail", role, instance.name)

@@ -15,14 +15,14 @@ import contextlib
 import logging
 from collections.abc import Callable
 
+from pdproxy.base.roles import Role
 from pdproxy.config import Settings
 from pdproxy.ids import Address
-from pdproxy.metrics import DECODE, PREFILL, Metrics
+from pdproxy.metrics import Metrics
 from pdproxy.pairing.features import RequestFeatures
 from pdproxy.pairing.planner import Direct, NoPair, Pair, Planner
 from pdproxy.proxy.admission import Admission
 from pdproxy.proxy.errors import ProxyError
-from pdproxy.registry.messages import Role
 from pdproxy.registry.table import Instance, RegistryTable, Snapshot
 from pdproxy.reliability.outlier import OutlierDetector
 
@@ -31,7 +31,6 @@ log = logging.getLogger("pdproxy.rotation")
 # While requests wait for an instance below its cap, they look again at least this often
 # (an ejection may have ended without any leg ending).
 _CAPACITY_RECHECK_SECONDS = 0.25
-_ROLES = {PREFILL: Role.PREFILL, DECODE: Role.DECODE}
 
 
 class Rotation:
@@ -72,7 +71,7 @@ class Rotation:
         if snapshot.version != self._retained_version:
             # Membership may have changed: forget the health of instances that left (those
             # announced unhealthy are still registered and keep theirs).
-            self._outliers.retain(e.instance.name for e in self._table.entries())
+            self._outliers.retain(e.instance.name for e in self._table.registrations())
             self._retained_version = snapshot.version
         return snapshot
 
@@ -128,10 +127,10 @@ class Rotation:
         """The time legs are stamped with when they begin."""
         return self._clock()
 
-    def succeeded(self, role: str, instance: Instance, began: float) -> None:
+    def succeeded(self, role: Role, instance: Instance, began: float) -> None:
         self._outliers.success(instance.name, role, self._clock(), began)
 
-    def failed(self, role: str, instance: Instance, began: float) -> None:
+    def failed(self, role: Role, instance: Instance, began: float) -> None:
         now = self._clock()
         if not self._outliers.failure(instance.name, role, now, self._serving(role), began):
             return
@@ -146,11 +145,11 @@ class Rotation:
             status.ejections,
         )
 
-    def _serving(self, role: str) -> int:
+    def _serving(self, role: Role) -> int:
         """Instances of `role` that take traffic at all (not announced unhealthy, not
         drained): the ejection cap is a share of these."""
         snapshot = self._table.snapshot()
-        members = snapshot.prefills if _ROLES[role] is Role.PREFILL else snapshot.decodes
+        members = snapshot.prefills if role is Role.PREFILL else snapshot.decodes
         return sum(1 for i in members if i.name not in self.drained)
 
     def _unpaired(self, choice: NoPair, excluded: frozenset[str]) -> ProxyError:

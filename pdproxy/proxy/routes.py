@@ -7,7 +7,7 @@ import asyncio
 import logging
 from collections.abc import Callable
 from dataclasses import dataclass
-from typing import Any, Literal
+from typing import Any
 
 import orjson
 from fastapi import FastAPI, Request
@@ -15,6 +15,7 @@ from fastapi.responses import Response
 from pydantic import BaseModel, ConfigDict, Field, ValidationError
 from starlette.exceptions import HTTPException as StarletteHTTPException
 
+from pdproxy.base.roles import Role
 from pdproxy.http.upstream import UpstreamError
 from pdproxy.ids import Address, AddressError, parse_address
 from pdproxy.metrics import CONTENT_TYPE
@@ -27,9 +28,8 @@ from pdproxy.proxy.openapi import openapi_document
 from pdproxy.proxy.state import AppState
 from pdproxy.registry.auth import address_allowed, parse_cidrs
 from pdproxy.registry.control import ControlUnavailable
-from pdproxy.registry.messages import Role
 from pdproxy.registry.operator import ControlReply, ControlRequest, Operation
-from pdproxy.registry.table import Entry, Instance, Source
+from pdproxy.registry.table import Instance, Registration, Source
 
 log = logging.getLogger("pdproxy.routes")
 
@@ -88,7 +88,9 @@ def install_routes(
     async def instances() -> Response:
         state = current_state()
         now = state.clock()
-        entries = sorted(state.table.entries(), key=lambda e: (e.instance.role, e.instance.name))
+        entries = sorted(
+            state.table.registrations(), key=lambda e: (e.instance.role, e.instance.name)
+        )
         return _json(
             {
                 "ttl_seconds": state.table.ttl,
@@ -199,7 +201,7 @@ def _model_card(name: str) -> dict[str, Any]:
 class _Registration(BaseModel):
     model_config = ConfigDict(extra="forbid")
 
-    role: Literal["prefill", "decode"]
+    role: Role
     http_address: str
     zmq_address: str
     model: str | None = Field(None, min_length=1, max_length=256)
@@ -224,8 +226,9 @@ async def _registration(request: Request) -> _Spec:
             f"{'.'.join(str(p) for p in e['loc']) or 'body'}: {e['msg']}" for e in exc.errors()
         )
         raise StarletteHTTPException(400, f"invalid registration: {problems}") from None
-    role = Role.PREFILL if parsed.role == "prefill" else Role.DECODE
-    return _Spec(role, _address(parsed.http_address), _address(parsed.zmq_address), parsed.model)
+    return _Spec(
+        parsed.role, _address(parsed.http_address), _address(parsed.zmq_address), parsed.model
+    )
 
 
 def _address(text: str) -> Address:
@@ -244,15 +247,15 @@ def _require_admin(credentials: Credentials, request: Request) -> None:
         )
 
 
-def _describe(entry: Entry, now: float, state: AppState) -> dict[str, Any]:
+def _describe(entry: Registration, now: float, state: AppState) -> dict[str, Any]:
     instance = entry.instance
     health = state.outliers.status(instance.name, now)
     busy = state.planner.inflight.get(instance.http_address)
     geometry = instance.geometry
     load = instance.load
     return {
-        "role": "prefill" if instance.role is Role.PREFILL else "decode",
-        "type": instance.role.value,
+        "role": instance.role,
+        "type": instance.role.wire,
         "http_address": instance.name,
         "zmq_address": str(instance.zmq_address),
         "source": instance.source.value,

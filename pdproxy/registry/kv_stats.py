@@ -24,7 +24,8 @@ from __future__ import annotations
 from collections import OrderedDict
 from dataclasses import dataclass, field
 
-from pdproxy.registry.messages import Role, TransferOutcome
+from pdproxy.base.roles import Role
+from pdproxy.registry.messages import TransferOutcome
 
 INCOMPLETE = "incomplete"
 # Least to most severe: a side's outcome is the worst of its ranks'. An error (something broke)

@@ -1,4 +1,7 @@
-"""Decoding and validation of registry frames (DESIGN.md section 3). Pure: bytes in, value out.
+"""The registry's wire schema (DESIGN.md section 3), both ways: `parse_message` decodes and
+validates a frame's map, `to_map` builds one (the announcer, the stats reporter and the fake
+worker send what it builds, so both sides share one schema). Pure; imports only msgpack and
+pdproxy's base types, because the vLLM side loads it inside vLLM.
 
 v0 is exactly what stock vLLM's P2pNcclEngine sends; v1 is pdproxy's superset (announce, leave,
 and stats: what each TP rank reports of its KV transfers). Anything else is rejected with one
@@ -11,19 +14,15 @@ from __future__ import annotations
 import math
 import re
 from collections.abc import Mapping
-from dataclasses import dataclass
+from dataclasses import dataclass, fields
 from enum import StrEnum
 from types import MappingProxyType
 from typing import Any
 
 import msgpack
 
+from pdproxy.base.roles import Role
 from pdproxy.ids import Address, AddressError, parse_address
-
-
-class Role(StrEnum):
-    PREFILL = "P"
-    DECODE = "D"
 
 
 class Connector(StrEnum):
@@ -218,7 +217,7 @@ def message_version(value: object) -> int:
 def _role(payload: dict[Any, Any]) -> Role:
     role_value = _required_str(payload, "type")
     try:
-        return Role(role_value)
+        return Role.from_wire(role_value)
     except ValueError:
         raise Rejected(
             Reason.UNKNOWN_TYPE, f"type must be 'P' or 'D', got {_short(role_value)}"
@@ -418,6 +417,74 @@ def parse_transfer(item: object, index: int = 0) -> TransferReport:
 
 
 _OUTCOMES = tuple(outcome.value for outcome in TransferOutcome)
+
+
+def to_map(message: Message) -> dict[str, Any]:
+    """The wire map of `message`: parse_message(to_map(m)) == m for every valid m. A version 0
+    announcement is byte for byte what stock vLLM's P2pNcclEngine sends (its other fields are
+    not on that wire)."""
+    if isinstance(message, Leave):
+        return {"v": 1, "op": "leave", "http_address": str(message.http_address)}
+    if isinstance(message, Stats):
+        return {
+            **_sender(1, "stats", message.role, message.http_address),
+            "rank": message.rank,
+            "ranks": message.ranks,
+            "transfers": [transfer_map(transfer) for transfer in message.transfers],
+        }
+    if message.version == 0:
+        return _sender(0, None, message.role, message.http_address, message.zmq_address)
+    return _announcement_map(message)
+
+
+def _sender(
+    version: int, op: str | None, role: Role, http_address: Address, zmq: Address | None = None
+) -> dict[str, Any]:
+    head: dict[str, Any] = {} if version == 0 else {"v": version, "op": op}
+    head |= {"type": role.wire, "http_address": str(http_address)}
+    if zmq is not None:
+        head["zmq_address"] = str(zmq)
+    return head
+
+
+def _announcement_map(announcement: Announcement) -> dict[str, Any]:
+    wire = _sender(
+        1, "announce", announcement.role, announcement.http_address, announcement.zmq_address
+    )
+    if announcement.model is not None:
+        wire["model"] = announcement.model
+    if announcement.connector is not None:
+        wire["connector"] = announcement.connector.value
+    if announcement.geometry is not None:
+        wire["geometry"] = known_fields(announcement.geometry)
+    if announcement.max_model_len is not None:
+        wire["max_model_len"] = announcement.max_model_len
+    if announcement.load is not None:
+        wire["load"] = known_fields(announcement.load)
+    if not announcement.healthy:
+        wire["healthy"] = False
+    return wire
+
+
+def transfer_map(transfer: TransferReport) -> dict[str, Any]:
+    """One entry of a stats message's transfers list (parse_transfer's input)."""
+    return {
+        "id": transfer.transfer_id,
+        "peer": str(transfer.peer),
+        "bytes": transfer.bytes,
+        "blocks": transfer.blocks,
+        "seconds": float(transfer.seconds),
+        "outcome": transfer.outcome.value,
+    }
+
+
+def known_fields(value: Geometry | Load) -> dict[str, Any]:
+    """The fields that are known (None is left off the wire)."""
+    return {
+        name: item
+        for name in (field.name for field in fields(value))
+        if (item := getattr(value, name)) is not None
+    }
 
 
 def _is_int(value: object) -> bool:

@@ -6,9 +6,9 @@ from __future__ import annotations
 
 from collections.abc import Callable
 
+from pdproxy.base.roles import Role
 from pdproxy.config import Settings
 from pdproxy.metrics import Metrics
-from pdproxy.registry.messages import Role
 from pdproxy.registry.table import Instance, RegistryTable, Source
 
 

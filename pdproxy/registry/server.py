@@ -15,20 +15,14 @@ from collections.abc import Callable
 import zmq
 import zmq.asyncio
 
+from pdproxy.base.roles import Role
 from pdproxy.config import Settings
 from pdproxy.ids import Address, AddressError, parse_address
 from pdproxy.metrics import Metrics
 from pdproxy.pairing.consistency import contradiction
 from pdproxy.registry.auth import RegistryGate, Verifier, parse_cidrs
 from pdproxy.registry.kv_stats import KvTransferStats, RankReport, TransferRecord
-from pdproxy.registry.messages import (
-    Announcement,
-    Leave,
-    Reason,
-    Rejected,
-    Role,
-    Stats,
-)
+from pdproxy.registry.messages import Announcement, Leave, Reason, Rejected, Stats
 from pdproxy.registry.table import Change, Instance, RegistryTable, Source
 
 log = logging.getLogger("pdproxy.registry")
@@ -232,7 +226,7 @@ class RegistryServer:
             self._metrics.instance_joined(instance.name)
         if change in (Change.REGISTERED, Change.UPDATED):
             self.publish_counts()
-            others = (entry.instance for entry in self._table.entries())
+            others = (entry.instance for entry in self._table.registrations())
             problem = contradiction(instance, others)
             if problem is not None:
                 log.warning("registry: %s", problem)
@@ -245,9 +239,9 @@ class RegistryServer:
         if sender is None or sender.role is not stats.role:
             raise Rejected(
                 Reason.UNKNOWN_INSTANCE,
-                f"{stats.http_address} is not registered as {_role_name_of(stats.role)}",
+                f"{stats.http_address} is not registered as {stats.role}",
             )
-        other = Role.DECODE if stats.role is Role.PREFILL else Role.PREFILL
+        other = stats.role.other
         for transfer in stats.transfers:
             peer = self._table.lookup(transfer.peer, other)
             report = RankReport(
@@ -288,7 +282,9 @@ class RegistryServer:
 
     def add_static(self, instance: Instance) -> None:
         """An operator's registration (admin API); Rejected when the registry is full."""
-        known = any(e.instance.http_address == instance.http_address for e in self._table.entries())
+        known = any(
+            e.instance.http_address == instance.http_address for e in self._table.registrations()
+        )
         self._table.add_static(instance, self._clock())
         log.info("registry: %s %s registered by an admin", _role_name(instance), instance.name)
         if not known:
@@ -306,7 +302,7 @@ class RegistryServer:
 
     def publish_counts(self) -> None:
         for role in Role:
-            self._metrics.registry_instances.labels(role.value).set(self._table.count(role))
+            self._metrics.registry_instances.labels(role).set(self._table.count(role))
 
     def sweep(self) -> list[Instance]:
         now = self._clock()
@@ -401,8 +397,4 @@ def _auth_summary(settings: Settings) -> str:
 
 def _role_name(instance: Instance) -> str:
     kind = "static " if instance.source is Source.STATIC else ""
-    return kind + _role_name_of(instance.role)
-
-
-def _role_name_of(role: Role) -> str:
-    return "prefill" if role is Role.PREFILL else "decode"
+    return kind + instance.role

@@ -19,16 +19,9 @@ from collections.abc import Iterable
 from dataclasses import dataclass, field, replace
 from enum import StrEnum
 
+from pdproxy.base.roles import Role
 from pdproxy.ids import Address
-from pdproxy.registry.messages import (
-    Announcement,
-    Connector,
-    Geometry,
-    Load,
-    Reason,
-    Rejected,
-    Role,
-)
+from pdproxy.registry.messages import Announcement, Connector, Geometry, Load, Reason, Rejected
 
 
 class Source(StrEnum):
@@ -69,7 +62,7 @@ class Change(StrEnum):
 
 
 @dataclass(frozen=True, slots=True)
-class Entry:
+class Registration:
     instance: Instance
     first_seen: float
     last_seen: float
@@ -128,7 +121,7 @@ class RegistryTable:
         self._max_unsigned = max_unsigned
         self._unsigned = 0  # entries counted against max_unsigned
         self._load_refresh = load_refresh
-        self._entries: dict[Address, Entry] = {}
+        self._entries: dict[Address, Registration] = {}
         self._static: set[Address] = set()
         # zmq address -> http addresses announcing it: a connector knows its peer only by the
         # KV address in the request-id tag, and its statistics name the peer that way.
@@ -159,8 +152,8 @@ class RegistryTable:
         copy of this table elsewhere must follow."""
         return self._revision
 
-    def adopt(self, entries: Iterable[Entry]) -> bool:
-        """Become a copy of another table (its `entries()`): an HTTP worker's view of the
+    def adopt(self, entries: Iterable[Registration]) -> bool:
+        """Become a copy of another table (its `registrations()`): an HTTP worker's view of the
         registry process's table. True when the instances changed, not only their times."""
         fresh = {entry.instance.http_address: entry for entry in entries}
         changed = fresh.keys() != self._entries.keys() or any(
@@ -182,7 +175,7 @@ class RegistryTable:
     def add_static(self, instance: Instance, now: float) -> None:
         if instance.source is not Source.STATIC:
             instance = replace(instance, source=Source.STATIC)
-        new = Entry(instance, now, now)
+        new = Registration(instance, now, now)
         self._make_room(new, self._entries.get(instance.http_address))
         self._static.add(instance.http_address)
         self._put(new)
@@ -199,7 +192,7 @@ class RegistryTable:
         v1_seen = now if announcement.version == 1 else None
         entry = self._entries.get(key)
         if entry is None:
-            new = Entry(incoming, now, now, v1_seen, signed)
+            new = Registration(incoming, now, now, v1_seen, signed)
             self._make_room(new, None)
             self._put(new)
             self._changed()
@@ -219,7 +212,7 @@ class RegistryTable:
         if incoming == entry.instance and signed == entry.signed:
             self._entries[key] = replace(entry, last_seen=now, v1_seen=v1_seen)
             return Change.REFRESHED, entry.instance
-        new = Entry(incoming, entry.first_seen, now, v1_seen, signed)
+        new = Registration(incoming, entry.first_seen, now, v1_seen, signed)
         self._make_room(new, entry)
         self._put(new)
         if replace(incoming, load=entry.instance.load) == entry.instance:
@@ -228,7 +221,7 @@ class RegistryTable:
         self._changed()
         return Change.UPDATED, incoming
 
-    def _v0_echo(self, entry: Entry, incoming: Instance, now: float) -> bool:
+    def _v0_echo(self, entry: Registration, incoming: Instance, now: float) -> bool:
         """A v0 ping agreeing with a v1 announcement that is itself still alive (a sidecar
         that died without `leave` must not keep its last load and health forever)."""
         known = entry.instance
@@ -250,7 +243,7 @@ class RegistryTable:
                 f"zmq {signed.zmq_address}): an unsigned one cannot change it",
             )
 
-    def _counts_as_unsigned(self, entry: Entry) -> bool:
+    def _counts_as_unsigned(self, entry: Registration) -> bool:
         """Whether `entry` counts against max_unsigned rather than max_instances."""
         return (
             self._max_unsigned is not None
@@ -258,7 +251,7 @@ class RegistryTable:
             and entry.instance.source is not Source.STATIC
         )
 
-    def _make_room(self, new: Entry, old: Entry | None) -> None:
+    def _make_room(self, new: Registration, old: Registration | None) -> None:
         """Raise Rejected unless `new` fits in its part of the table (replacing `old`)."""
         unsigned = self._counts_as_unsigned(new)
         if old is not None and self._counts_as_unsigned(old) == unsigned:
@@ -344,7 +337,7 @@ class RegistryTable:
                 return instance
         return None
 
-    def entries(self) -> list[Entry]:
+    def registrations(self) -> list[Registration]:
         return list(self._entries.values())
 
     def snapshot(self, now: float | None = None) -> Snapshot:
@@ -367,7 +360,7 @@ class RegistryTable:
             self._built_at = now
         return self._snapshot
 
-    def _put(self, entry: Entry) -> None:
+    def _put(self, entry: Registration) -> None:
         key = entry.instance.http_address
         old = self._entries.get(key)
         if old is not None:
@@ -380,7 +373,7 @@ class RegistryTable:
         self._unsigned += self._counts_as_unsigned(entry)
         self._by_zmq.setdefault(entry.instance.zmq_address, set()).add(key)
 
-    def _pop(self, key: Address) -> Entry | None:
+    def _pop(self, key: Address) -> Registration | None:
         entry = self._entries.pop(key, None)
         if entry is not None:
             self._revision += 1
@@ -389,7 +382,7 @@ class RegistryTable:
             self._unindex(entry)
         return entry
 
-    def _unindex(self, entry: Entry) -> None:
+    def _unindex(self, entry: Registration) -> None:
         zmq = entry.instance.zmq_address
         keys = self._by_zmq.get(zmq)
         if keys is not None:

@@ -22,9 +22,10 @@ from pathlib import Path
 from types import FrameType
 from typing import Any
 
+from pdproxy.base.roles import WIRE_LETTERS, Role
 from pdproxy.ids import AddressError, parse_address
-from pdproxy.registry.messages import MAX_DTYPE_NAME
-from pdproxy.vllm_side.announcement import WorkerGeometry, WorkerIdentity, context_length
+from pdproxy.registry.messages import MAX_DTYPE_NAME, Geometry, known_fields
+from pdproxy.vllm_side.announcement import WorkerIdentity, context_length
 from pdproxy.vllm_side.announcer import DEFAULT_INTERVAL_S, Announcer, LoadSample
 from pdproxy.vllm_side.model_config import ModelConfigError, geometry_from_model_config
 from pdproxy.vllm_side.registry_client import RegistryClient
@@ -112,7 +113,7 @@ def add_cli(commands: Any) -> None:
         description="Announce one vLLM server to a pdproxy registry (v1: model, connector, "
         "geometry, load scraped from its /metrics) until SIGTERM, then send 'leave'.",
     )
-    parser.add_argument("--role", choices=["P", "D"], required=True)
+    parser.add_argument("--role", choices=WIRE_LETTERS, required=True)
     parser.add_argument("--http-address", required=True, help="the server's HOST:PORT")
     parser.add_argument(
         "--zmq-address", required=True, help="the KV endpoint of TP rank 0, HOST:PORT"
@@ -158,7 +159,7 @@ def build_identity(args: argparse.Namespace) -> WorkerIdentity:
         # The registry would refuse every announcement: say so now.
         raise ValueError(f"--max-model-len {args.max_model_len} is beyond any real context")
     return WorkerIdentity(
-        role=args.role,
+        role=Role.from_wire(args.role),
         http_address=args.http_address,
         zmq_address=args.zmq_address,
         model=args.model,
@@ -178,7 +179,7 @@ def registry_secret(args: argparse.Namespace, environ: Mapping[str, str]) -> byt
     return secret_from_text(text.encode(), SECRET_ENV)
 
 
-def _geometry(args: argparse.Namespace) -> WorkerGeometry:
+def _geometry(args: argparse.Namespace) -> Geometry:
     if args.model_config is not None:
         try:
             config = json.loads(args.model_config.read_text(encoding="utf-8"))
@@ -191,7 +192,7 @@ def _geometry(args: argparse.Namespace) -> WorkerGeometry:
         except ModelConfigError as exc:
             raise ValueError(str(exc)) from None
     else:
-        base = WorkerGeometry()
+        base = Geometry()
     # Flags win over config.json: they describe how this server runs the model.
     flags = {
         "tp_size": args.tp_size,
@@ -203,12 +204,12 @@ def _geometry(args: argparse.Namespace) -> WorkerGeometry:
         "is_mla": args.mla,
         "kv_layout": args.kv_layout,
     }
-    fields = base.as_map() | {key: value for key, value in flags.items() if value is not None}
+    fields = known_fields(base) | {key: value for key, value in flags.items() if value is not None}
     dtype = fields.get("kv_dtype")
     if dtype is not None and len(dtype) > MAX_DTYPE_NAME:
         # The registry would refuse every announcement: say so now, not in the proxy's log.
         raise ValueError(f"kv dtype {dtype[:40]!r}... is longer than {MAX_DTYPE_NAME} characters")
-    return WorkerGeometry(**fields)
+    return Geometry(**fields)
 
 
 def run(args: argparse.Namespace) -> int:

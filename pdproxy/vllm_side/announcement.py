@@ -1,58 +1,48 @@
-"""The v1 registry messages a worker sends (DESIGN.md section 3), built as plain maps. Pure.
+"""The registry messages a worker sends (DESIGN.md section 3). Pure.
 
-The proxy's decoder (pdproxy.registry.messages) is the other half of this contract; the tests
-round-trip every message built here through it.
+They are built as the registry's own typed messages and turned into maps by its one builder,
+pdproxy.registry.messages.to_map: announcer and registry share one schema.
 """
 
 from __future__ import annotations
 
 from collections.abc import Sequence
-from dataclasses import asdict, dataclass
+from dataclasses import dataclass
 from typing import Any, Literal
 
-from pdproxy.registry.messages import MAX_MODEL_LEN, MAX_TP_SIZE, MAX_TRANSFERS
+from pdproxy.base.roles import Role
+from pdproxy.ids import parse_address
+from pdproxy.registry.messages import (
+    MAX_MODEL_LEN,
+    Announcement,
+    Connector,
+    Geometry,
+    Leave,
+    Load,
+    Stats,
+    TransferReport,
+    parse_message,
+    parse_transfer,
+    to_map,
+    transfer_map,
+)
+from pdproxy.registry.messages import (
+    TransferOutcome as Outcome,
+)
 
-WorkerRole = Literal["P", "D"]
 TransferOutcome = Literal["ok", "timeout", "error", "missing", "dropped"]
-
-
-@dataclass(frozen=True, slots=True)
-class WorkerGeometry:
-    """KV-cache geometry as announced; a None field is one the worker could not determine."""
-
-    tp_size: int | None = None
-    block_size: int | None = None
-    num_layers: int | None = None
-    num_kv_heads: int | None = None  # total over all TP ranks
-    head_dim: int | None = None
-    kv_dtype: str | None = None
-    is_mla: bool | None = None
-    kv_layout: str | None = None  # "NHD" or "HND"
-
-    def as_map(self) -> dict[str, Any]:
-        return {key: value for key, value in asdict(self).items() if value is not None}
-
-
-@dataclass(frozen=True, slots=True)
-class WorkerLoad:
-    running: int | None = None
-    waiting: int | None = None
-    kv_usage: float | None = None  # fraction of the KV cache in use, 0..1
-
-    def as_map(self) -> dict[str, Any]:
-        return {key: value for key, value in asdict(self).items() if value is not None}
 
 
 @dataclass(frozen=True, slots=True)
 class WorkerIdentity:
     """Who announces: fixed for the life of the worker."""
 
-    role: WorkerRole
+    role: Role
     http_address: str
     zmq_address: str
     model: str | None = None
     connector: str | None = None
-    geometry: WorkerGeometry | None = None
+    geometry: Geometry | None = None
     max_model_len: int | None = None  # the context length the server runs the model with
 
 
@@ -63,48 +53,41 @@ def context_length(value: object) -> int | None:
     return value
 
 
+def announcement(
+    identity: WorkerIdentity, load: Load | None = None, healthy: bool = True
+) -> Announcement:
+    """`identity`'s v1 announcement; ValueError on an address or connector the registry
+    would refuse."""
+    return Announcement(
+        version=1,
+        role=identity.role,
+        http_address=parse_address(identity.http_address),
+        zmq_address=parse_address(identity.zmq_address),
+        model=identity.model,
+        connector=None if identity.connector is None else Connector(identity.connector),
+        geometry=identity.geometry,
+        load=load,
+        healthy=healthy,
+        max_model_len=identity.max_model_len,
+    )
+
+
 def announce_message(
-    identity: WorkerIdentity, load: WorkerLoad | None = None, healthy: bool = True
+    identity: WorkerIdentity, load: Load | None = None, healthy: bool = True
 ) -> dict[str, Any]:
-    message: dict[str, Any] = {
-        "v": 1,
-        "op": "announce",
-        "type": identity.role,
-        "http_address": identity.http_address,
-        "zmq_address": identity.zmq_address,
-    }
-    if identity.model is not None:
-        message["model"] = identity.model
-    if identity.connector is not None:
-        message["connector"] = identity.connector
-    if identity.geometry is not None:
-        message["geometry"] = identity.geometry.as_map()
-    if identity.max_model_len is not None:
-        message["max_model_len"] = identity.max_model_len
-    if load is not None:
-        message["load"] = load.as_map()
-    if not healthy:
-        message["healthy"] = False
-    return message
+    return to_map(announcement(identity, load, healthy))
 
 
 def leave_message(identity: WorkerIdentity) -> dict[str, Any]:
-    return {
-        "v": 1,
-        "op": "leave",
-        "type": identity.role,
-        "http_address": identity.http_address,
-        "zmq_address": identity.zmq_address,
-    }
+    return to_map(Leave(parse_address(identity.http_address)))
 
 
 def v0_message(identity: WorkerIdentity) -> dict[str, Any]:
     """Byte for byte what stock vLLM's P2pNcclEngine sends."""
-    return {
-        "type": identity.role,
-        "http_address": identity.http_address,
-        "zmq_address": identity.zmq_address,
-    }
+    version_0 = Announcement(
+        0, identity.role, parse_address(identity.http_address), parse_address(identity.zmq_address)
+    )
+    return to_map(version_0)
 
 
 @dataclass(frozen=True, slots=True)
@@ -118,36 +101,34 @@ class TransferStat:
     seconds: float
     outcome: TransferOutcome = "ok"
 
+    def report(self) -> TransferReport:
+        """This entry as the registry's type, checked by the registry's own decoder: ValueError
+        (Rejected, AddressError) if the registry would refuse it."""
+        report = TransferReport(
+            self.transfer_id,
+            parse_address(self.peer),
+            self.bytes,
+            self.blocks,
+            self.seconds,
+            Outcome(self.outcome),
+        )
+        return parse_transfer(transfer_map(report))
+
     def as_map(self) -> dict[str, Any]:
-        return {
-            "id": self.transfer_id,
-            "peer": self.peer,
-            "bytes": self.bytes,
-            "blocks": self.blocks,
-            "seconds": float(self.seconds),
-            "outcome": self.outcome,
-        }
+        """The entry as the wire carries it (ValueError as report())."""
+        return transfer_map(self.report())
 
 
 def stats_message(
-    role: WorkerRole,
+    role: Role,
     http_address: str,
     rank: int,
     ranks: int,
     transfers: Sequence[TransferStat],
 ) -> dict[str, Any]:
     """What TP rank `rank` of `ranks` of an instance reports of its transfers. Raises
-    ValueError on what the registry would refuse whatever the entries say."""
-    if not 1 <= ranks <= MAX_TP_SIZE or not 0 <= rank < ranks:
-        raise ValueError(f"rank {rank} of {ranks}: need 0 <= rank < ranks <= {MAX_TP_SIZE}")
-    if len(transfers) > MAX_TRANSFERS:
-        raise ValueError(f"{len(transfers)} transfers in one message (at most {MAX_TRANSFERS})")
-    return {
-        "v": 1,
-        "op": "stats",
-        "type": role,
-        "http_address": http_address,
-        "rank": rank,
-        "ranks": ranks,
-        "transfers": [transfer.as_map() for transfer in transfers],
-    }
+    ValueError (Rejected) on what the registry would refuse, by the registry's own checks."""
+    reports = tuple(transfer.report() for transfer in transfers)
+    wire = to_map(Stats(role, parse_address(http_address), rank, ranks, reports))
+    parse_message(wire)  # rank, ranks and the number of transfers
+    return wire

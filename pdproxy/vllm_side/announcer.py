@@ -14,12 +14,8 @@ from dataclasses import replace
 from typing import Any
 
 from pdproxy.registry.auth import new_nonce, signed
-from pdproxy.vllm_side.announcement import (
-    WorkerIdentity,
-    WorkerLoad,
-    announce_message,
-    leave_message,
-)
+from pdproxy.registry.messages import Load
+from pdproxy.vllm_side.announcement import WorkerIdentity, announce_message, leave_message
 from pdproxy.vllm_side.registry_client import RegistryClient
 
 log = logging.getLogger("pdproxy.vllm_side")
@@ -35,7 +31,7 @@ class LoadSample:
     __slots__ = ("healthy", "load", "max_model_len")
 
     def __init__(
-        self, load: WorkerLoad | None, healthy: bool = True, max_model_len: int | None = None
+        self, load: Load | None, healthy: bool = True, max_model_len: int | None = None
     ) -> None:
         self.load = load
         self.healthy = healthy

@@ -29,13 +29,10 @@ from vllm.distributed.kv_transfer.kv_connector.v1.base import (
     KVConnectorTransferResults,
 )
 
+from pdproxy.base.roles import Role
 from pdproxy.pairing.geometry import KvGeometry, KvLayout
-from pdproxy.vllm_side.announcement import (
-    TransferStat,
-    WorkerGeometry,
-    WorkerIdentity,
-    context_length,
-)
+from pdproxy.registry.messages import Geometry, known_fields
+from pdproxy.vllm_side.announcement import TransferStat, WorkerIdentity, context_length
 from pdproxy.vllm_side.announcer import Announcer, LoadSample
 from pdproxy.vllm_side.connector_settings import ConnectorSettings, connector_settings
 from pdproxy.vllm_side.cpu_format import cpu_isa, format_for_isa
@@ -122,7 +119,7 @@ class PdproxyConnector(KVConnectorBase_V1):  # type: ignore[misc]
             http_address=identity.http_address,
             zmq_address=identity.zmq_address,
             model=identity.model,
-            geometry=None if identity.geometry is None else identity.geometry.as_map(),
+            geometry=None if identity.geometry is None else known_fields(identity.geometry),
         )
         secret_file = settings.registry_secret_file
         # Read before anything connects: a missing or short secret fails the engine's start.
@@ -167,7 +164,7 @@ class PdproxyConnector(KVConnectorBase_V1):  # type: ignore[misc]
         rank = _tp_rank()
         settings = self._settings
         self._reporter = self._start_reporter(rank, geometry.tp_size)
-        if role == "P":
+        if role is Role.PREFILL:
             address = f"{settings.host}:{settings.kv_port + rank}"
             producer = ProducerWorker(rank, geometry, cache_format, address, self._transferred)
             producer.register(kv_caches)
@@ -272,7 +269,7 @@ class PdproxyConnector(KVConnectorBase_V1):  # type: ignore[misc]
         self._load.arrived(request.request_id)
         params = request.sampling_params
         key = transfer_key(request.request_id, getattr(request, "external_req_id", None))
-        if self._settings.role == "P":
+        if self._settings.role is Role.PREFILL:
             # The proxy says how the decode splits heads (pdproxy.proxy.kv_params).
             decode_tp = decode_tp_size(request.kv_transfer_params)
             self._sending.arrived(request.request_id, key, request.num_prompt_tokens, decode_tp)
@@ -288,7 +285,7 @@ class PdproxyConnector(KVConnectorBase_V1):  # type: ignore[misc]
     def get_num_new_matched_tokens(
         self, request: Any, num_computed_tokens: int
     ) -> tuple[int | None, bool]:
-        if self._settings.role != "D" or self._cache_format is None:
+        if self._settings.role is not Role.DECODE or self._cache_format is None:
             return 0, False  # computed here: this side cannot write received KV
         key = transfer_key(request.request_id, getattr(request, "external_req_id", None))
         tokens = self._loading.matched(
@@ -298,15 +295,15 @@ class PdproxyConnector(KVConnectorBase_V1):  # type: ignore[misc]
 
     def update_state_after_alloc(self, request: Any, blocks: Any, num_external_tokens: int) -> None:
         self._load.scheduled(request.request_id)
-        if self._settings.role == "D" and num_external_tokens:
+        if self._settings.role is Role.DECODE and num_external_tokens:
             block_ids = list(blocks.get_block_ids()[0])
             self._loading.allocated(request.request_id, block_ids, num_external_tokens)
 
     def build_connector_meta(self, scheduler_output: Any) -> KVConnectorMetadata:
         meta = PdproxyConnectorMetadata()
-        if self._settings.role == "P":
+        if self._settings.role is Role.PREFILL:
             meta.sends = self._sends(scheduler_output)
-        elif self._settings.role == "D":
+        elif self._settings.role is Role.DECODE:
             meta.loads, meta.cancelled = self._loading.take()
         return meta
 
@@ -389,7 +386,7 @@ def _max_model_len(vllm_config: Any) -> int | None:
     return context_length(getattr(vllm_config.model_config, "max_model_len", None))
 
 
-def _kv_geometry(announced: WorkerGeometry) -> KvGeometry | None:
+def _kv_geometry(announced: Geometry) -> KvGeometry | None:
     """The geometry the transfer needs, or None when vLLM did not tell all of it."""
     try:
         return KvGeometry(

@@ -29,10 +29,10 @@ from dataclasses import dataclass
 from pathlib import Path
 from typing import Any
 
-from pdproxy.vllm_side.announcement import WorkerRole
+from pdproxy.base.roles import Role
 from pdproxy.vllm_side.announcer import DEFAULT_INTERVAL_S
 
-ROLE_BY_KV_ROLE: dict[str, WorkerRole] = {"kv_producer": "P", "kv_consumer": "D"}
+ROLE_BY_KV_ROLE: dict[str, Role] = {"kv_producer": Role.PREFILL, "kv_consumer": Role.DECODE}
 DEFAULT_KV_PORT = 14579  # vLLM's KVTransferConfig default
 
 
@@ -42,7 +42,7 @@ class ConnectorConfigError(ValueError):
 
 @dataclass(frozen=True, slots=True)
 class ConnectorSettings:
-    role: WorkerRole | None  # None for kv_both: such an instance is not announced
+    role: Role | None  # None for kv_both: such an instance is not announced
     host: str
     kv_port: int
     http_port: int | None

@@ -20,6 +20,7 @@ from dataclasses import dataclass, replace
 
 import torch
 
+from pdproxy.base.roles import Role
 from pdproxy.pairing.geometry import KvGeometry
 from pdproxy.vllm_side.announcement import TransferOutcome
 from pdproxy.vllm_side.kv import (
@@ -47,7 +48,7 @@ class TransferRecord:
     """One rank's view of one transfer, for the proxy's statistics and the tests."""
 
     transfer: str  # TransferKey.stats_id
-    side: str  # "P" sent, "D" received
+    side: Role  # PREFILL sent, DECODE received
     rank: int
     peer: str  # the other side's KV address (rank 0)
     bytes: int
@@ -161,7 +162,14 @@ class ProducerWorker:
         log.error("pdproxy connector: KV for %s not sent: %s", key, why)
         self._record(
             TransferRecord(
-                spec.key.stats_id, "P", self._rank, str(spec.key.decode), 0, 0, 0.0, "error"
+                spec.key.stats_id,
+                Role.PREFILL,
+                self._rank,
+                str(spec.key.decode),
+                0,
+                0,
+                0.0,
+                "error",
             )
         )
 
@@ -215,7 +223,7 @@ class ProducerWorker:
         self._record(
             TransferRecord(
                 spec.key.stats_id,
-                "P",
+                Role.PREFILL,
                 self._rank,
                 str(spec.key.decode),
                 outgoing.bytes,
@@ -332,7 +340,7 @@ class ConsumerWorker:
         self._record(
             TransferRecord(
                 spec.key.stats_id,
-                "D",
+                Role.DECODE,
                 self._rank,
                 str(spec.key.prefill),
                 size,

@@ -8,7 +8,7 @@ steers new work away, which is the safe side.
 
 from __future__ import annotations
 
-from pdproxy.vllm_side.announcement import WorkerLoad
+from pdproxy.registry.messages import Load
 
 
 class LoadTracker:
@@ -28,5 +28,5 @@ class LoadTracker:
         self._waiting.discard(request_id)
         self._running.discard(request_id)
 
-    def load(self, kv_usage: float | None = None) -> WorkerLoad:
-        return WorkerLoad(running=len(self._running), waiting=len(self._waiting), kv_usage=kv_usage)
+    def load(self, kv_usage: float | None = None) -> Load:
+        return Load(running=len(self._running), waiting=len(self._waiting), kv_usage=kv_usage)

@@ -8,7 +8,7 @@ from __future__ import annotations
 
 from typing import Any
 
-from pdproxy.vllm_side.announcement import WorkerGeometry
+from pdproxy.registry.messages import Geometry
 
 
 class ModelConfigError(ValueError):
@@ -21,7 +21,7 @@ def geometry_from_model_config(
     block_size: int | None = None,
     kv_dtype: str | None = None,
     kv_layout: str | None = None,
-) -> WorkerGeometry:
+) -> Geometry:
     # Multimodal models nest the language model's config; its KV cache is the one that moves.
     text = config.get("text_config")
     if isinstance(text, dict):
@@ -32,7 +32,7 @@ def geometry_from_model_config(
     if mla_rank:
         # MLA caches one latent vector per token: the compressed KV plus the rope part.
         rope = _int(config, "qk_rope_head_dim") or 0
-        return WorkerGeometry(
+        return Geometry(
             tp_size=tp_size,
             block_size=block_size,
             num_layers=layers,
@@ -54,7 +54,7 @@ def geometry_from_model_config(
         if hidden % attention_heads:
             raise ModelConfigError(f"hidden_size {hidden} is not a multiple of the head count")
         head_dim = hidden // attention_heads
-    return WorkerGeometry(
+    return Geometry(
         tp_size=tp_size,
         block_size=block_size,
         num_layers=layers,

@@ -20,9 +20,10 @@ from typing import Any, Protocol
 
 import msgpack
 
+from pdproxy.base.roles import Role
 from pdproxy.registry.auth import new_nonce, signed
-from pdproxy.registry.messages import MAX_TRANSFERS, Rejected, parse_transfer
-from pdproxy.vllm_side.announcement import TransferStat, WorkerRole, stats_message
+from pdproxy.registry.messages import MAX_TRANSFERS
+from pdproxy.vllm_side.announcement import TransferStat, stats_message
 from pdproxy.vllm_side.registry_client import RegistryClient
 
 log = logging.getLogger("pdproxy.vllm_side")
@@ -52,7 +53,7 @@ class StatsReporter:
     def __init__(
         self,
         client: Sender,
-        role: WorkerRole,
+        role: Role,
         http_address: str,
         rank: int,
         ranks: int,
@@ -78,7 +79,7 @@ class StatsReporter:
     def connect(
         cls,
         registry_address: str,
-        role: WorkerRole,
+        role: Role,
         http_address: str,
         rank: int,
         ranks: int,
@@ -103,8 +104,8 @@ class StatsReporter:
     def report(self, stat: TransferStat) -> bool:
         """Queue one entry; never blocks. False if it was refused or dropped (and counted)."""
         try:
-            parse_transfer(stat.as_map())
-        except Rejected as exc:
+            stat.report()
+        except ValueError as exc:
             with self._lock:
                 self._invalid += 1
                 first = self._invalid == 1

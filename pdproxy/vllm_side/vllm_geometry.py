@@ -9,7 +9,7 @@ from __future__ import annotations
 import logging
 from typing import Any
 
-from pdproxy.vllm_side.announcement import WorkerGeometry
+from pdproxy.registry.messages import Geometry
 
 log = logging.getLogger("pdproxy.vllm_side")
 
@@ -17,11 +17,11 @@ HEADS_AXIS, TOKENS_AXIS = 2, 3  # vLLM's logical KV layout is [L, B, H, N, C]
 LEGACY_LAYOUT_NAMES = {"NHD": "NHD", "HND": "HND"}
 
 
-def geometry_from_vllm_config(vllm_config: Any) -> WorkerGeometry:
+def geometry_from_vllm_config(vllm_config: Any) -> Geometry:
     model = vllm_config.model_config
     parallel = vllm_config.parallel_config
     cache = vllm_config.cache_config
-    return WorkerGeometry(
+    return Geometry(
         tp_size=_attempt(lambda: int(parallel.tensor_parallel_size)),
         block_size=_attempt(lambda: int(cache.block_size)),
         num_layers=_attempt(lambda: int(model.get_num_layers(parallel))),

@@ -11,7 +11,7 @@ import math
 
 from prometheus_client.parser import text_string_to_metric_families
 
-from pdproxy.vllm_side.announcement import WorkerLoad
+from pdproxy.registry.messages import Load
 
 RUNNING = "vllm:num_requests_running"
 WAITING = "vllm:num_requests_waiting"
@@ -22,7 +22,7 @@ class MetricsFormatError(ValueError):
     pass
 
 
-def load_from_metrics(text: str) -> WorkerLoad:
+def load_from_metrics(text: str) -> Load:
     values: dict[str, list[float]] = {RUNNING: [], WAITING: [], KV_USAGE: []}
     try:
         for family in text_string_to_metric_families(text):
@@ -33,7 +33,7 @@ def load_from_metrics(text: str) -> WorkerLoad:
     except ValueError as exc:
         raise MetricsFormatError(f"not Prometheus text: {exc}") from None
     running, waiting, usage = values[RUNNING], values[WAITING], values[KV_USAGE]
-    return WorkerLoad(
+    return Load(
         running=_count(running),
         waiting=_count(waiting),
         kv_usage=min(1.0, max(0.0, *usage)) if usage else None,

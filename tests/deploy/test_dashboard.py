@@ -13,11 +13,11 @@ from typing import Any
 import pytest
 from prometheus_client.parser import text_string_to_metric_families
 
+from pdproxy.base.roles import Role
 from pdproxy.demo.fleet import WorkerSpec
 from pdproxy.demo.processes import wait_until
-from pdproxy.metrics import LEG_ROLES, Metrics
-from pdproxy.proxy.entry import COMPLETION_PATHS, COUNTED_PATHS
-from pdproxy.registry.messages import Role
+from pdproxy.metrics import Metrics
+from pdproxy.proxy.front import COMPLETION_PATHS, COUNTED_PATHS
 from pdproxy.reliability.outlier import Circuit
 from tests.conftest import FleetFactory
 from tests.deploy.support import REPO
@@ -138,8 +138,8 @@ def test_the_dashboard_covers_every_metric_family() -> None:
 # Label values pdproxy draws from fixed sets, by (metric, label).
 ENUMS: dict[tuple[str, str], set[str]] = {
     ("pdproxy_registry_instances", "role"): {r.value for r in Role},
-    ("pdproxy_inflight_requests", "role"): set(LEG_ROLES),
-    ("pdproxy_upstream_errors_total", "role"): set(LEG_ROLES),
+    ("pdproxy_inflight_requests", "role"): {r.value for r in Role},
+    ("pdproxy_upstream_errors_total", "role"): {r.value for r in Role},
     ("pdproxy_requests_total", "endpoint"): set(COMPLETION_PATHS) | set(COUNTED_PATHS),
     ("pdproxy_request_duration_seconds_bucket", "endpoint"): set(COMPLETION_PATHS),
     # "saturated" is the one kind the dashboard singles out: the proxy's own congestion.

@@ -17,12 +17,13 @@ import kubernetes_validate  # type: ignore[import-untyped]
 import pytest
 import yaml
 
+from pdproxy.base.roles import Role
 from pdproxy.config import ENV_PREFIX, Settings
 from pdproxy.demo.processes import http_get
 from pdproxy.proxy.app import PdproxyApp
 from pdproxy.proxy.credentials import Credentials
 from pdproxy.proxy.draining import FINAL_GRACE_SECONDS
-from pdproxy.proxy.entry import COMPLETION_PATHS
+from pdproxy.proxy.front import COMPLETION_PATHS
 from pdproxy.registry.auth import Verifier, new_nonce, signed
 from pdproxy.vllm_side.announce import registry_secret
 from pdproxy.vllm_side.connector_settings import connector_settings
@@ -814,7 +815,7 @@ def test_fleet_announces_to_the_registry_service(name: str, tmp_path: Path) -> N
                 default_host="not-the-pod-ip",
             )
             assert read.announces
-            assert read.role == {"prefill": "P", "decode": "D"}[role]
+            assert read.role is Role(role)
             assert read.http_address == f"{ip}:{http_port}"
             assert read.zmq_address == f"{ip}:{kv['kv_port']}"
             assert read.registry == f"{registry_host}:{registry_port['port']}"

@@ -234,8 +234,8 @@ def test_metrics_after_traffic(fleet: LocalFleet, client: openai.OpenAI) -> None
     assert metric_value(url, "pdproxy_prefill_duration_seconds_count") >= 1
     assert metric_value(url, "pdproxy_decode_first_byte_seconds_count") >= 1
     assert metric_value(url, "pdproxy_request_duration_seconds_count") >= 1
-    assert metric_value(url, "pdproxy_registry_instances", {"role": "P"}) == 2
-    assert metric_value(url, "pdproxy_registry_instances", {"role": "D"}) == 2
+    assert metric_value(url, "pdproxy_registry_instances", {"role": "prefill"}) == 2
+    assert metric_value(url, "pdproxy_registry_instances", {"role": "decode"}) == 2
     assert metric_value(url, "pdproxy_registry_messages_total", {"outcome": "accepted"}) >= 4
     for worker in fleet.workers:
         role = "prefill" if worker.spec.role == "P" else "decode"

@@ -76,7 +76,7 @@ def test_expired_instance_labels_are_removed(fleet_factory: FleetFactory) -> Non
     assert label in metrics()
     decode.process.signal(signal.SIGKILL)  # no leave: only the TTL can notice
     wait_until(lambda: label not in metrics(), 10, "the dead decode's labels to go")
-    assert 'pdproxy_registry_instances{role="D"} 0.0' in metrics()
+    assert 'pdproxy_registry_instances{role="decode"} 0.0' in metrics()
     status, body = http_get(fleet.proxy_url + "/ready")
     assert status == 503 and b"no decode" in body
     answer = post_json(fleet.proxy_url + "/v1/completions", GOOD)

@@ -17,6 +17,7 @@ import yaml
 import zmq
 from prometheus_client.parser import text_string_to_metric_families
 
+from pdproxy.base.roles import Role
 from pdproxy.demo.fleet import LocalFleet, Worker, WorkerSpec
 from pdproxy.demo.processes import http_get, wait_until
 from pdproxy.registry.auth import new_nonce, signed
@@ -192,7 +193,7 @@ def test_with_a_registry_secret_only_signed_stats_count(
 
     [prefill], [decode] = fleet.role("P"), fleet.role("D")
     entry = TransferStat(f"{uuid.uuid4().hex}-0", prefill.zmq_address, 10**6, 1, 0.1)
-    forged = stats_message("D", decode.http_address, 0, 1, [entry])
+    forged = stats_message(Role.DECODE, decode.http_address, 0, 1, [entry])
     sock = zmq_context.socket(zmq.DEALER)
     sock.setsockopt(zmq.LINGER, 0)
     sock.connect(f"tcp://{fleet.registry_address}")
@@ -222,7 +223,7 @@ def test_a_reporter_reaches_a_router_under_its_own_identity(
     router.setsockopt(zmq.LINGER, 0)
     port = router.bind_to_random_port("tcp://127.0.0.1")
     http = "127.0.0.1:8200"
-    stats = StatsReporter.connect(f"127.0.0.1:{port}", "P", http, 0, 1)
+    stats = StatsReporter.connect(f"127.0.0.1:{port}", Role.PREFILL, http, 0, 1)
     try:
         stats.report(TransferStat(f"{uuid.uuid4().hex}-0", "127.0.0.1:22001", 5, 1, 0.01))
         assert router.poll(5000), "no stats frame within 5 s"

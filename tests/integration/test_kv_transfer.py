@@ -109,9 +109,9 @@ def test_kv_lands_at_the_decodes_own_blocks(pair: Pair, tokens: int) -> None:
             assert torch.equal(got, expected), (name, token)
         untouched = [b for b in range(BLOCKS) if b not in decode_blocks]
         assert torch.equal(pair.decode_caches[name][untouched], pair.decode_before[name][untouched])
-    received = [r for r in pair.records if r.side == "D"]
-    wait_until(lambda: len([r for r in pair.records if r.side == "P"]) == 1, 5, "send record")
-    sent = [r for r in pair.records if r.side == "P"]
+    received = [r for r in pair.records if r.side == "decode"]
+    wait_until(lambda: len([r for r in pair.records if r.side == "prefill"]) == 1, 5, "send record")
+    sent = [r for r in pair.records if r.side == "prefill"]
     expected_bytes = LAYERS * 2 * tokens * HEADS * HEAD_DIM * 4
     assert sent[0].outcome == "ok" and sent[0].bytes == expected_bytes
     assert received[0].outcome == "ok" and received[0].bytes == expected_bytes
@@ -146,7 +146,7 @@ def test_kv_that_never_comes_fails_the_load_within_the_timeout() -> None:
         loaded, failed = pair.poll_until_done(timeout=5)
         assert failed == {"d-req"} and not loaded
         assert 0.5 <= time.monotonic() - started < 3
-        assert [r.outcome for r in pair.records if r.side == "D"] == ["timeout"]
+        assert [r.outcome for r in pair.records if r.side == "decode"] == ["timeout"]
     finally:
         pair.close()
 

@@ -156,7 +156,7 @@ def test_every_decode_rank_gets_exactly_its_heads(
             # Past the request's tokens the decode's blocks keep what they held.
             assert bool((caches[name][:, 1, TOKENS - D_BLOCK :] == -1).all())
     # Every byte each decode rank needs arrives once (replicated heads are not sent twice).
-    received = [r for r in fleet.records if r.side == "D"]
+    received = [r for r in fleet.records if r.side == "decode"]
     per_rank = 2 * LAYERS * TOKENS * fleet.decode.heads_per_rank * HEAD_DIM * 4
     assert sorted(r.rank for r in received) == list(range(d_tp))
     assert all(r.outcome == "ok" and r.bytes == per_rank for r in received)
@@ -164,9 +164,9 @@ def test_every_decode_rank_gets_exactly_its_heads(
     senders = len({read.prefill_rank for read in plan_reads(fleet.prefill, fleet.decode)})
     assert senders == (min(p_tp, heads) if p_tp > d_tp else p_tp)
     wait_until(
-        lambda: len([r for r in fleet.records if r.side == "P"]) == senders, 5, "send records"
+        lambda: len([r for r in fleet.records if r.side == "prefill"]) == senders, 5, "send records"
     )
-    sent = sum(r.bytes for r in fleet.records if r.side == "P")
+    sent = sum(r.bytes for r in fleet.records if r.side == "prefill")
     assert sent == d_tp * per_rank
 
 
@@ -180,7 +180,7 @@ def test_a_decode_tp_the_prefill_cannot_serve_fails_the_load_not_the_prefill(
     fleet.send(3, (0, 1, 2))
     [(loaded, failed)] = fleet.wait()
     assert failed == {"d-req"} and not loaded
-    sent = [r for r in fleet.records if r.side == "P"]
+    sent = [r for r in fleet.records if r.side == "prefill"]
     assert [(r.outcome, r.bytes) for r in sent] == [("error", 0), ("error", 0)]
 
 

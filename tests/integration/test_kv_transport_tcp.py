@@ -490,7 +490,7 @@ def test_kv_lands_at_the_decodes_own_blocks_and_the_memory_is_reused() -> None:
                 assert torch.equal(decode_caches[name][decode_ids], expected)
         stats = receiver.pool_stats()
         assert stats.mapped == LAYERS and stats.reused == 2 * LAYERS
-        assert [r.outcome for r in records if r.side == "D"] == ["ok"] * 3
+        assert [r.outcome for r in records if r.side == "decode"] == ["ok"] * 3
     finally:
         sender.close()
         receiver.close()

@@ -64,7 +64,7 @@ def test_stock_v0_bytes_register(fleet_factory: FleetFactory, zmq_context: Any) 
     assert item["zmq_address"] == "127.0.0.1:21001"
     assert item["source"] == "v0"
     assert item["model"] is None and item["geometry"] is None
-    assert metric_value(fleet.proxy_url, "pdproxy_registry_instances", {"role": "P"}) == 1
+    assert metric_value(fleet.proxy_url, "pdproxy_registry_instances", {"role": "prefill"}) == 1
 
 
 def test_v1_fields_land(fleet_factory: FleetFactory, zmq_context: Any) -> None:
@@ -111,7 +111,7 @@ def test_expiry_without_further_messages(fleet_factory: FleetFactory, zmq_contex
     registered = time.monotonic()
     wait_for(fleet, lambda i: "127.0.0.1:8100" not in i, "expiry", timeout=5)
     assert time.monotonic() - registered >= 0.9  # expired by the TTL, not at once
-    assert metric_value(fleet.proxy_url, "pdproxy_registry_instances", {"role": "P"}) == 0
+    assert metric_value(fleet.proxy_url, "pdproxy_registry_instances", {"role": "prefill"}) == 0
 
 
 def test_heartbeats_keep_an_instance(fleet_factory: FleetFactory, zmq_context: Any) -> None:
@@ -341,7 +341,7 @@ def test_load_reports_update_instances(fleet_factory: FleetFactory, zmq_context:
         lambda i: i.get("127.0.0.1:8100", {}).get("load", {}).get("running") == 49,
         "the last load report",
     )
-    assert metric_value(fleet.proxy_url, "pdproxy_registry_instances", {"role": "P"}) == 1
+    assert metric_value(fleet.proxy_url, "pdproxy_registry_instances", {"role": "prefill"}) == 1
     assert (
         metric_value(fleet.proxy_url, "pdproxy_registry_messages_total", {"outcome": "accepted"})
         == 50

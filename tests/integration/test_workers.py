@@ -93,8 +93,8 @@ def test_workers_share_the_port_the_registry_and_the_metrics(
     # process's own gauges.
     for _ in range(6):
         assert completed(fleet) == 60
-        assert metric_value(fleet.proxy_url, "pdproxy_registry_instances", {"role": "P"}) == 1
-        assert metric_value(fleet.proxy_url, "pdproxy_registry_instances", {"role": "D"}) == 1
+        assert metric_value(fleet.proxy_url, "pdproxy_registry_instances", {"role": "prefill"}) == 1
+        assert metric_value(fleet.proxy_url, "pdproxy_registry_instances", {"role": "decode"}) == 1
     # Both workers route with the registry process's table.
     for _ in range(6):
         assert fleet.registered() == {w.http_address for w in fleet.workers}

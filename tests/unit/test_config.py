@@ -12,10 +12,10 @@ from typing import Any
 import pytest
 from pydantic import SecretStr
 
+from pdproxy.base.roles import Role
 from pdproxy.cli import build_parser
 from pdproxy.config import ENV_PREFIX, ConfigError, Settings, StaticInstance, load_settings
 from pdproxy.ids import Address
-from pdproxy.registry.messages import Role
 from pdproxy.registry.seeded import static_instances
 
 P1 = "http=10.0.0.1:8100,zmq=10.0.0.1:21001"

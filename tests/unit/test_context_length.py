@@ -12,25 +12,21 @@ from typing import Any
 import msgpack
 import pytest
 
+from pdproxy.base.roles import Role
 from pdproxy.fake_vllm.announce import announce_message as fake_announce_message
 from pdproxy.fake_vllm.config import Geometry, WorkerConfig
 from pdproxy.ids import Address
-from pdproxy.registry.messages import MAX_MODEL_LEN, Announcement, decode_frame
+from pdproxy.registry.messages import MAX_MODEL_LEN, Announcement, Load, decode_frame
 from pdproxy.vllm_side.announce import (
     ContextLengthProbe,
     add_cli,
     build_identity,
     context_length_from_models,
 )
-from pdproxy.vllm_side.announcement import (
-    WorkerIdentity,
-    WorkerLoad,
-    announce_message,
-    context_length,
-)
+from pdproxy.vllm_side.announcement import WorkerIdentity, announce_message, context_length
 from pdproxy.vllm_side.announcer import Announcer, LoadSample
 
-IDENTITY = WorkerIdentity("D", "10.0.0.6:8200", "10.0.0.6:22001", model="m")
+IDENTITY = WorkerIdentity(Role.DECODE, "10.0.0.6:8200", "10.0.0.6:22001", model="m")
 
 
 def decoded(message: dict[str, Any]) -> Announcement:
@@ -43,7 +39,7 @@ def decoded(message: dict[str, Any]) -> Announcement:
 
 
 def test_an_identity_with_a_context_length_announces_it() -> None:
-    identity = WorkerIdentity("D", "10.0.0.6:8200", "10.0.0.6:22001", max_model_len=32768)
+    identity = WorkerIdentity(Role.DECODE, "10.0.0.6:8200", "10.0.0.6:22001", max_model_len=32768)
     message = announce_message(identity)
     assert message["max_model_len"] == 32768
     assert decoded(message).max_model_len == 32768
@@ -71,7 +67,7 @@ class Client:
 
 
 def test_the_announcer_announces_what_its_sample_learned() -> None:
-    samples = iter([LoadSample(None), LoadSample(WorkerLoad(running=1), max_model_len=2048)])
+    samples = iter([LoadSample(None), LoadSample(Load(running=1), max_model_len=2048)])
     client = Client()
     announcer = Announcer(client, IDENTITY, lambda: next(samples))  # type: ignore[arg-type]
     announcer.announce_once()
@@ -82,7 +78,7 @@ def test_the_announcer_announces_what_its_sample_learned() -> None:
 
 def fake_config(max_model_len: int) -> WorkerConfig:
     return WorkerConfig(
-        role="D",
+        role=Role.DECODE,
         http=Address("127.0.0.1", 8000),
         kv=Address("127.0.0.1", 8001),
         proxy=Address("127.0.0.1", 30001),
@@ -100,7 +96,7 @@ def fake_config(max_model_len: int) -> WorkerConfig:
 
 
 def test_the_fake_worker_announces_its_own_max_model_len() -> None:
-    message = fake_announce_message(fake_config(640), "announce", WorkerLoad())
+    message = fake_announce_message(fake_config(640), "announce", Load())
     assert decoded(message).max_model_len == 640
 
 

@@ -4,6 +4,7 @@ from __future__ import annotations
 
 import pytest
 
+from pdproxy.base.roles import Role
 from pdproxy.http.upstream import Transport, UpstreamError
 from pdproxy.proxy.failures import LegFailed, classify, is_local, leg_failed
 from pdproxy.reliability.failures import FAILURES, RETRIED_KINDS, FailureKind, Origin
@@ -75,17 +76,17 @@ def test_a_deadline_is_a_timeout_and_other_exceptions_are_not_leg_failures() -> 
 
 
 def test_client_statuses_and_codes_follow_the_table() -> None:
-    timeout = leg_failed(FailureKind.TIMEOUT, "decode", "d1", "late", False, RETRY_AFTER)
+    timeout = leg_failed(FailureKind.TIMEOUT, Role.DECODE, "d1", "late", False, RETRY_AFTER)
     assert (timeout.status, timeout.code, timeout.retryable) == (504, "decode_timeout", True)
     assert timeout.headers == ()
-    reset = leg_failed(FailureKind.RESET, "prefill", "p1", "gone", True, RETRY_AFTER)
+    reset = leg_failed(FailureKind.RESET, Role.PREFILL, "p1", "gone", True, RETRY_AFTER)
     assert (reset.status, reset.code) == (502, "prefill_reset")
     assert not reset.retryable  # some of the answer had arrived
     assert reset.message == "prefill instance p1 failed: gone"
 
 
 def test_saturated_is_503_with_retry_after_and_names_no_instance() -> None:
-    failure = leg_failed(FailureKind.SATURATED, "prefill", "p1", "all busy", False, RETRY_AFTER)
+    failure = leg_failed(FailureKind.SATURATED, Role.PREFILL, "p1", "all busy", False, RETRY_AFTER)
     assert isinstance(failure, LegFailed)
     assert (failure.status, failure.code, failure.retryable) == (503, "saturated", False)
     assert failure.headers == RETRY_AFTER

@@ -10,6 +10,7 @@ import pytest
 from hypothesis import given, settings
 from hypothesis import strategies as st
 
+from pdproxy.base.roles import Role
 from pdproxy.fake_vllm.config import Geometry, WorkerConfig
 from pdproxy.fake_vllm.generation import Generation, Prompt
 from pdproxy.fake_vllm.kv_stats import OUTCOMES, KvStats, split
@@ -21,7 +22,7 @@ from pdproxy.vllm_side.announcement import TransferStat
 UID = "0123456789abcdef0123456789abcdef"
 TAGGED = f"___prefill_addr_127.0.0.1:21001___decode_addr_127.0.0.1:22001_{UID}"
 CONFIG = WorkerConfig(
-    role="D",
+    role=Role.DECODE,
     http=Address("127.0.0.1", 8200),
     kv=Address("127.0.0.1", 22001),
     proxy=None,

@@ -15,6 +15,7 @@ import pytest
 from hypothesis import given, settings
 from hypothesis import strategies as st
 
+from pdproxy.base.roles import Role
 from pdproxy.ids import Address
 from pdproxy.pairing.geometry import (
     Incompatible,
@@ -33,7 +34,7 @@ from pdproxy.pairing.geometry import (
     side_of,
     tp_ratio,
 )
-from pdproxy.registry.messages import Connector, Geometry, Role
+from pdproxy.registry.messages import Connector, Geometry
 from pdproxy.registry.table import Instance, Source
 
 # Deterministic and load-tolerant: same examples every run, no deadline, no example database.

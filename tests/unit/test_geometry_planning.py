@@ -15,6 +15,7 @@ import pytest
 from hypothesis import given, settings
 from hypothesis import strategies as st
 
+from pdproxy.base.roles import Role
 from pdproxy.ids import Address
 from pdproxy.pairing.candidates import Candidates
 from pdproxy.pairing.features import PrefixWindow, RequestFeatures
@@ -44,7 +45,7 @@ from pdproxy.pairing.planner import (
 from pdproxy.pairing.policies import make_policy
 from pdproxy.pairing.policies.round_robin import RoundRobin
 from pdproxy.pairing.scoreboard import LoadKind
-from pdproxy.registry.messages import Connector, Geometry, Role
+from pdproxy.registry.messages import Connector, Geometry
 from pdproxy.registry.table import Instance, Snapshot
 from tests.pairing_builders import NIXL, P2P, PDPROXY, dec, geo, pre
 

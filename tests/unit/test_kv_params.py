@@ -4,9 +4,10 @@ from __future__ import annotations
 
 import pytest
 
+from pdproxy.base.roles import Role
 from pdproxy.ids import Address
 from pdproxy.proxy.kv_params import params_from_answer, prefill_leg_params, prefill_params
-from pdproxy.registry.messages import Connector, Geometry, Role
+from pdproxy.registry.messages import Connector, Geometry
 from pdproxy.registry.table import Instance, Source
 
 

@@ -12,6 +12,7 @@ import pytest
 from hypothesis import given, settings
 from hypothesis import strategies as st
 
+from pdproxy.base.roles import Role
 from pdproxy.registry.kv_stats import (
     COUNTED_OUTCOMES,
     INCOMPLETE,
@@ -20,7 +21,7 @@ from pdproxy.registry.kv_stats import (
     RankReport,
     TransferRecord,
 )
-from pdproxy.registry.messages import Role, TransferOutcome
+from pdproxy.registry.messages import TransferOutcome
 
 PROFILE = settings(derandomize=True, database=None, deadline=None)
 TTL = 10.0

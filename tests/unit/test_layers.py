@@ -25,6 +25,7 @@ BASE, CORE, INFRASTRUCTURE, APPLICATION, PROCESSES, CLI = range(6)
 LAYERS: dict[str, int] = {
     "pdproxy": BASE,  # the package itself: its version, nothing else
     "pdproxy.compiled": BASE,
+    "pdproxy.base": BASE,
     "pdproxy.ids": CORE,
     "pdproxy.registry.messages": CORE,
     "pdproxy.registry.auth": CORE,

@@ -11,6 +11,7 @@ import pytest
 from hypothesis import HealthCheck, given, settings
 from hypothesis import strategies as st
 
+from pdproxy.base.roles import Role
 from pdproxy.ids import Address, validate_host
 from pdproxy.registry.messages import (
     MAX_MODEL_LEN,
@@ -23,7 +24,6 @@ from pdproxy.registry.messages import (
     Message,
     Reason,
     Rejected,
-    Role,
     decode_frame,
     parse_message,
 )
@@ -629,7 +629,7 @@ def test_valid_v1_round_trips(
 ) -> None:
     payload: dict[str, Any] = {
         "v": 1,
-        "type": role.value,
+        "type": role.wire,
         "http_address": f"worker-1.svc:{http_port}",
         "zmq_address": f"10.1.2.3:{zmq_port}",
     }

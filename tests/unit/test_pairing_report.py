@@ -8,6 +8,7 @@ from typing import Any
 
 import pytest
 
+from pdproxy.base.roles import Role
 from pdproxy.pairing.consistency import contradiction
 from pdproxy.pairing.geometry import Incompatible, Mismatch, Unverified, plan_pair, side_of
 from pdproxy.pairing.inflight import InFlight
@@ -20,7 +21,7 @@ from pdproxy.pairing.report import (
     traits,
     verdict_fields,
 )
-from pdproxy.registry.messages import Geometry, Role
+from pdproxy.registry.messages import Geometry
 from pdproxy.registry.table import Instance, Snapshot
 from tests.pairing_builders import NIXL, P2P, PDPROXY, dec, geo, pre
 

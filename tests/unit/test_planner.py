@@ -10,6 +10,7 @@ import pytest
 from hypothesis import given, settings
 from hypothesis import strategies as st
 
+from pdproxy.base.roles import Role
 from pdproxy.ids import Address
 from pdproxy.pairing.candidates import Candidates
 from pdproxy.pairing.features import RequestFeatures
@@ -26,7 +27,6 @@ from pdproxy.pairing.planner import (
 from pdproxy.pairing.policies.base import Policy
 from pdproxy.pairing.policies.round_robin import RoundRobin
 from pdproxy.proxy.prompt import request_features
-from pdproxy.registry.messages import Role
 from pdproxy.registry.table import Instance, Snapshot, Source
 
 # Deterministic and load-tolerant: same examples every run, no deadline, no example database.

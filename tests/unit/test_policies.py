@@ -19,6 +19,7 @@ from collections.abc import Callable
 
 import pytest
 
+from pdproxy.base.roles import Role
 from pdproxy.ids import Address
 from pdproxy.pairing.candidates import Candidates
 from pdproxy.pairing.features import PrefixWindow, RequestFeatures
@@ -39,7 +40,7 @@ from pdproxy.pairing.policies.prefix_affinity import (
 from pdproxy.pairing.policies.round_robin import RoundRobin
 from pdproxy.pairing.prefix_cache import PrefixCache
 from pdproxy.pairing.scoreboard import LoadKind
-from pdproxy.registry.messages import Load, Role
+from pdproxy.registry.messages import Load
 from pdproxy.registry.table import Instance, Snapshot, Source
 
 CAPACITY = 1000

@@ -9,6 +9,7 @@ from typing import Any
 import msgpack
 import pytest
 
+from pdproxy.base.roles import Role
 from pdproxy.registry import auth
 from pdproxy.registry.auth import (
     RegistryGate,
@@ -25,7 +26,9 @@ from pdproxy.vllm_side.announcement import WorkerIdentity, announce_message, lea
 
 SECRET = b"0123456789abcdef-unit"
 NOW = 1_700_000_000.0
-IDENTITY = WorkerIdentity("D", "10.0.0.6:20002", "10.0.0.6:22001", model="m", connector="nixl")
+IDENTITY = WorkerIdentity(
+    Role.DECODE, "10.0.0.6:20002", "10.0.0.6:22001", model="m", connector="nixl"
+)
 MESSAGE = announce_message(IDENTITY)
 
 

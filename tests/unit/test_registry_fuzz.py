@@ -30,6 +30,7 @@ import pytest
 from hypothesis import HealthCheck, given, settings
 from hypothesis import strategies as st
 
+from pdproxy.base.roles import Role
 from pdproxy.config import Settings
 from pdproxy.ids import parse_address, validate_host
 from pdproxy.metrics import Metrics
@@ -49,7 +50,6 @@ from pdproxy.registry.messages import (
     Message,
     Reason,
     Rejected,
-    Role,
     Stats,
     TransferOutcome,
     decode_frame,
@@ -207,7 +207,7 @@ def assert_valid_address_parts(host: str, port: int) -> None:
 
 def assert_valid_table(registry: Registry) -> None:
     table = registry.table
-    entries = table.entries()
+    entries = table.registrations()
     assert len(entries) == len(table) <= registry.max_instances
     for role in Role:
         assert table.count(role) == sum(1 for e in entries if e.instance.role is role)
@@ -522,7 +522,7 @@ def test_a_stream_of_messages_keeps_the_table_valid(stream: list[list[bytes]]) -
         assert_valid_table(registry)
     # Nothing in the table came from a rejected message: every non-static entry is exactly
     # what an accepted announcement said (a v0 echo keeps the v1 announcement's content).
-    for entry in registry.table.entries():
+    for entry in registry.table.registrations():
         if entry.instance.source is not Source.STATIC:
             assert entry.instance in announced
     assert sum(registry.counted().values()) == len(stream)
@@ -673,7 +673,7 @@ def test_with_a_secret_only_signed_v1_or_v0_from_its_networks_registers(
             assert isinstance(payload, dict) and AUTH_FIELD in payload
             signed_instances.add(instance)
     assert_valid_table(registry)
-    for entry in registry.table.entries():
+    for entry in registry.table.registrations():
         instance = entry.instance
         for address in (instance.http_address, instance.zmq_address):
             assert in_networks(address.host, ADDRESS_CIDRS)

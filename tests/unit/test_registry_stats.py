@@ -10,6 +10,7 @@ from typing import Any
 import msgpack
 import pytest
 
+from pdproxy.base.roles import Role
 from pdproxy.config import Settings
 from pdproxy.metrics import Metrics
 from pdproxy.registry.auth import new_nonce, signed
@@ -25,8 +26,8 @@ SECRET = "unit-registry-secret-0123"
 WALL = 1_700_000_000.0
 KV_TTL = 30.0
 INSTANCE_TTL = 100.0  # longer than KV_TTL: instances stay while transfers settle
-P = WorkerIdentity("P", "10.0.0.1:8100", "10.0.0.1:21001")
-D = WorkerIdentity("D", "10.0.0.2:8200", "10.0.0.2:22001")
+P = WorkerIdentity(Role.PREFILL, "10.0.0.1:8100", "10.0.0.1:21001")
+D = WorkerIdentity(Role.DECODE, "10.0.0.2:8200", "10.0.0.2:22001")
 PAIR = {"prefill": P.http_address, "decode": D.http_address}
 
 
@@ -145,10 +146,10 @@ def test_one_message_carries_many_transfers(registry: Registry) -> None:
 
 
 def test_an_unregistered_sender_is_refused(registry: Registry) -> None:
-    stranger = WorkerIdentity("D", "10.0.0.9:8200", "10.0.0.9:22001")
+    stranger = WorkerIdentity(Role.DECODE, "10.0.0.9:8200", "10.0.0.9:22001")
     assert registry.send(stats(stranger, stat(P.http_address))) == "unknown_instance"
     # Registered, but not in the role it claims.
-    impostor = WorkerIdentity("P", D.http_address, D.zmq_address)
+    impostor = WorkerIdentity(Role.PREFILL, D.http_address, D.zmq_address)
     assert registry.send(stats(impostor, stat(D.http_address))) == "unknown_instance"
     assert registry.transfers("ok") == 0
 
@@ -168,10 +169,10 @@ def test_a_peer_in_the_wrong_role_is_not_a_peer(registry: Registry) -> None:
 
 
 def test_stats_do_not_keep_an_instance_alive(registry: Registry) -> None:
-    seen = {e.instance.name: e.last_seen for e in registry.table.entries()}
+    seen = {e.instance.name: e.last_seen for e in registry.table.registrations()}
     registry.clock.now += INSTANCE_TTL / 2
     registry.send(stats(D, stat(P.http_address)))
-    assert {e.instance.name: e.last_seen for e in registry.table.entries()} == seen
+    assert {e.instance.name: e.last_seen for e in registry.table.registrations()} == seen
     registry.clock.now += INSTANCE_TTL / 2 + 1  # past the TTL since the announcements
     expired = registry.server.sweep()
     assert {i.name for i in expired} == {P.http_address, D.http_address}

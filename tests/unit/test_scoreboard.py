@@ -17,6 +17,7 @@ from hypothesis import given, settings
 from hypothesis import strategies as st
 from hypothesis.stateful import RuleBasedStateMachine, initialize, invariant, precondition, rule
 
+from pdproxy.base.roles import Role
 from pdproxy.ids import Address
 from pdproxy.pairing.candidates import Candidates
 from pdproxy.pairing.features import RequestFeatures
@@ -32,7 +33,7 @@ from pdproxy.pairing.scoreboard import (
     own_requests,
     scoring,
 )
-from pdproxy.registry.messages import Load, Role
+from pdproxy.registry.messages import Load
 from pdproxy.registry.table import Instance, Snapshot, Source
 
 # Deterministic and load-tolerant: same examples every run, no deadline, no example database.

@@ -8,12 +8,12 @@ from pathlib import Path
 import msgpack
 import pytest
 
+from pdproxy.base.roles import Role
 from pdproxy.config import Settings
 from pdproxy.ids import Address
 from pdproxy.metrics import Metrics
 from pdproxy.multiworker.hub import REPUBLISH_SECONDS, RegistryHub
 from pdproxy.multiworker.shared_state import SharedState, decode, encode
-from pdproxy.registry.messages import Role
 from pdproxy.registry.operator import ControlReply, ControlRequest, Operation
 from pdproxy.registry.table import LOAD_REFRESH_SECONDS, Instance, Source
 

@@ -11,6 +11,7 @@ import pytest
 from hypothesis import HealthCheck, given, settings
 from hypothesis import strategies as st
 
+from pdproxy.base.roles import Role
 from pdproxy.ids import Address, parse_address
 from pdproxy.registry.auth import RegistryGate, Verifier, new_nonce, signed
 from pdproxy.registry.messages import (
@@ -19,7 +20,6 @@ from pdproxy.registry.messages import (
     MAX_TRANSFERS,
     Reason,
     Rejected,
-    Role,
     Stats,
     TransferOutcome,
     TransferReport,
@@ -313,19 +313,19 @@ stats_entries = st.builds(
 
 @settings(PROFILE, max_examples=200)
 @given(
-    role=st.sampled_from(["P", "D"]),
+    role=st.sampled_from(Role),
     ranks=st.integers(1, MAX_TP_SIZE),
     data=st.data(),
     entries=st.lists(stats_entries, max_size=12),
 )
 def test_the_builder_round_trips(
-    role: Any, ranks: int, data: st.DataObject, entries: list[TransferStat]
+    role: Role, ranks: int, data: st.DataObject, entries: list[TransferStat]
 ) -> None:
     rank = data.draw(st.integers(0, ranks - 1))
     message = stats_message(role, "worker-1.svc:8100", rank, ranks, entries)
     decoded = decode_frame(frame(message))
     assert decoded == Stats(
-        Role(role),
+        role,
         Address("worker-1.svc", 8100),
         rank,
         ranks,
@@ -348,18 +348,22 @@ def test_the_builder_round_trips(
 def test_the_builder_refuses_what_no_entry_could_fix() -> None:
     entry = TransferStat(f"{UID}-0", "10.0.0.7:8200", 1, 1, 0.1)
     with pytest.raises(ValueError, match="rank"):
-        stats_message("P", "h:1", 2, 2, [entry])
+        stats_message(Role.PREFILL, "h:1", 2, 2, [entry])
     with pytest.raises(ValueError, match="rank"):
-        stats_message("P", "h:1", 0, MAX_TP_SIZE + 1, [entry])
+        stats_message(Role.PREFILL, "h:1", 0, MAX_TP_SIZE + 1, [entry])
     with pytest.raises(ValueError, match="transfers"):
-        stats_message("P", "h:1", 0, 1, [entry] * (MAX_TRANSFERS + 1))
-    assert len(stats_message("P", "h:1", 0, 1, [entry] * MAX_TRANSFERS)["transfers"]) == 256
+        stats_message(Role.PREFILL, "h:1", 0, 1, [entry] * (MAX_TRANSFERS + 1))
+    assert (
+        len(stats_message(Role.PREFILL, "h:1", 0, 1, [entry] * MAX_TRANSFERS)["transfers"]) == 256
+    )
 
 
 def test_a_signed_report_passes_the_gate_and_a_forged_one_does_not() -> None:
     key = b"stats-secret-0123456789"
     gate = RegistryGate(Verifier(key))
-    message = stats_message("D", "10.0.0.8:8200", 0, 1, [TransferStat(f"{UID}-0", "h:1", 1, 1, 0)])
+    message = stats_message(
+        Role.DECODE, "10.0.0.8:8200", 0, 1, [TransferStat(f"{UID}-0", "h:1", 1, 1, 0)]
+    )
     sealed = frame(signed(message, key, 1000.0, new_nonce()))
     assert gate.admit(sealed, 1000.0).message == decode_frame(sealed)
     with pytest.raises(Rejected) as info:

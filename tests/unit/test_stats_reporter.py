@@ -10,6 +10,7 @@ from typing import Any
 import msgpack
 import pytest
 
+from pdproxy.base.roles import Role
 from pdproxy.registry.auth import RegistryGate, Verifier
 from pdproxy.registry.messages import MAX_TRANSFERS, Stats, decode_frame
 from pdproxy.vllm_side.announcement import TransferStat
@@ -47,7 +48,7 @@ def entry(n: int = 0, suffix: str = "0", peer: str = "10.0.0.1:21001") -> Transf
 
 
 def reporter(client: Recorder, **kw: Any) -> StatsReporter:
-    return StatsReporter(client, "D", HTTP, rank=1, ranks=2, **kw)
+    return StatsReporter(client, Role.DECODE, HTTP, rank=1, ranks=2, **kw)
 
 
 def test_reports_arrive_as_decodable_stats_of_this_rank() -> None:
@@ -56,8 +57,8 @@ def test_reports_arrive_as_decodable_stats_of_this_rank() -> None:
     assert stats.report(entry(1)) and stats.report(entry(2))
     assert stats.flush() == 2
     [message] = client.decoded()
-    assert (message.role.value, str(message.http_address), message.rank, message.ranks) == (
-        "D",
+    assert (message.role, str(message.http_address), message.rank, message.ranks) == (
+        Role.DECODE,
         HTTP,
         1,
         2,
@@ -128,9 +129,9 @@ def test_messages_are_signed_with_the_secret() -> None:
 
 def test_a_bad_rank_is_a_programming_error() -> None:
     with pytest.raises(ValueError, match="rank"):
-        StatsReporter(Recorder(), "P", HTTP, rank=2, ranks=2)
+        StatsReporter(Recorder(), Role.PREFILL, HTTP, rank=2, ranks=2)
     with pytest.raises(ValueError, match="queue_size"):
-        StatsReporter(Recorder(), "P", HTTP, rank=0, ranks=1, queue_size=0)
+        StatsReporter(Recorder(), Role.PREFILL, HTTP, rank=0, ranks=1, queue_size=0)
 
 
 def test_the_thread_sends_what_many_threads_report_and_stop_flushes() -> None:

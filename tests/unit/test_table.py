@@ -7,20 +7,13 @@ import math
 
 import pytest
 
+from pdproxy.base.roles import Role
 from pdproxy.ids import Address
-from pdproxy.registry.messages import (
-    Announcement,
-    Connector,
-    Geometry,
-    Load,
-    Reason,
-    Rejected,
-    Role,
-)
+from pdproxy.registry.messages import Announcement, Connector, Geometry, Load, Reason, Rejected
 from pdproxy.registry.table import (
     Change,
-    Entry,
     Instance,
+    Registration,
     RegistryTable,
     Snapshot,
     Source,
@@ -68,8 +61,8 @@ def table(max_instances: int = 100) -> RegistryTable:
     return RegistryTable(ttl=TTL, max_instances=max_instances)
 
 
-def entry(t: RegistryTable, address: Address) -> Entry:
-    (found,) = [e for e in t.entries() if e.instance.http_address == address]
+def entry(t: RegistryTable, address: Address) -> Registration:
+    (found,) = [e for e in t.registrations() if e.instance.http_address == address]
     return found
 
 
@@ -81,7 +74,7 @@ def test_empty_table() -> None:
     t = table()
     assert len(t) == 0
     assert t.ttl == TTL
-    assert t.entries() == []
+    assert t.registrations() == []
     assert t.snapshot() == Snapshot(0, (), ())
     assert t.snapshot() is t.snapshot()
 
@@ -138,7 +131,9 @@ def test_register() -> None:
     assert change is Change.REGISTERED
     assert instance == Instance(Role.PREFILL, http(1), zmq(1), Source.V1, model="m")
     assert len(t) == 1
-    assert t.entries() == [Entry(instance, first_seen=100.0, last_seen=100.0, v1_seen=100.0)]
+    assert t.registrations() == [
+        Registration(instance, first_seen=100.0, last_seen=100.0, v1_seen=100.0)
+    ]
     snapshot = t.snapshot()
     assert snapshot == Snapshot(1, (instance,), ())
 
@@ -150,7 +145,9 @@ def test_refresh_only_moves_last_seen_and_keeps_the_snapshot_object() -> None:
     change, instance = t.announce(v1(1), now=103.0)
     assert change is Change.REFRESHED
     assert instance is registered
-    assert t.entries() == [Entry(registered, first_seen=100.0, last_seen=103.0, v1_seen=103.0)]
+    assert t.registrations() == [
+        Registration(registered, first_seen=100.0, last_seen=103.0, v1_seen=103.0)
+    ]
     assert t.snapshot() is before
     assert t.snapshot().version == 1
 
@@ -182,7 +179,9 @@ def test_update_yields_a_new_snapshot_version(changed: Announcement) -> None:
     only_load = changed.load is not None and changed.model == "m" and changed.version == 1
     assert change is (Change.LOAD if only_load else Change.UPDATED)
     assert instance == instance_from(changed)
-    assert t.entries() == [Entry(instance, first_seen=100.0, last_seen=104.0, v1_seen=104.0)]
+    assert t.registrations() == [
+        Registration(instance, first_seen=100.0, last_seen=104.0, v1_seen=104.0)
+    ]
     after = t.snapshot()
     assert after is not before
     assert after.version == before.version + 1
@@ -291,7 +290,7 @@ def test_expire_drops_only_the_silent() -> None:
     t.announce(v1(3), now=9.0)
     expired = t.expire(now=15.5)
     assert [i.http_address for i in expired] == [http(1), http(2)]
-    assert [e.instance.http_address for e in t.entries()] == [http(3)]
+    assert [e.instance.http_address for e in t.registrations()] == [http(3)]
     assert t.snapshot().decodes == ()
 
 
@@ -301,7 +300,7 @@ def test_expired_instance_registers_again() -> None:
     t.expire(now=100.0)
     change, _ = t.announce(v1(1), now=100.0)
     assert change is Change.REGISTERED
-    assert t.entries()[0].first_seen == 100.0
+    assert t.registrations()[0].first_seen == 100.0
 
 
 # ---------------------------------------------------------------------------------------------
@@ -370,7 +369,9 @@ def test_a_v0_ping_for_a_v1_instance_is_a_heartbeat() -> None:
     assert change is Change.REFRESHED
     assert instance == announced and instance.source is Source.V1 and instance.model == "m"
     # last_seen moves, v1_seen does not: the v1 announcement itself is 3 s old.
-    assert t.entries() == [Entry(announced, first_seen=100.0, last_seen=103.0, v1_seen=100.0)]
+    assert t.registrations() == [
+        Registration(announced, first_seen=100.0, last_seen=103.0, v1_seen=100.0)
+    ]
     assert t.snapshot() is before
 
 
@@ -383,7 +384,7 @@ def test_v0_pings_stop_echoing_once_the_v1_announcer_is_silent_for_a_ttl() -> No
     change, instance = t.announce(v0(1), now=100.0 + TTL + 0.5)
     assert change is Change.UPDATED
     assert instance == instance_from(v0(1)) and instance.load is None
-    assert t.entries()[0].v1_seen == 100.0  # remembered, no longer echoed
+    assert t.registrations()[0].v1_seen == 100.0  # remembered, no longer echoed
 
 
 @pytest.mark.parametrize(
@@ -424,7 +425,7 @@ def test_static_rejects_a_conflicting_announcement(conflicting: Announcement) ->
         t.announce(conflicting, now=1.0)
     assert info.value.reason is Reason.STATIC_CONFLICT
     assert t.snapshot() is before
-    assert t.entries() == [Entry(static(1), 0.0, 0.0)]
+    assert t.registrations() == [Registration(static(1), 0.0, 0.0)]
 
 
 def test_static_accepts_a_matching_v0_announcement() -> None:
@@ -434,7 +435,7 @@ def test_static_accepts_a_matching_v0_announcement() -> None:
     change, instance = t.announce(v0(1), now=5.0)
     assert change is Change.REFRESHED
     assert instance == static(1)
-    assert t.entries() == [Entry(static(1), 0.0, 5.0)]
+    assert t.registrations() == [Registration(static(1), 0.0, 5.0)]
     assert t.snapshot() is before
 
 
@@ -532,7 +533,7 @@ def test_an_unsigned_ping_cannot_change_a_signed_instance(moved: Announcement) -
         t.announce(moved, now=101.0)
     assert info.value.reason is Reason.SIGNED_INSTANCE
     assert "10.0.0.1:8100" in info.value.detail and "signed" in info.value.detail
-    assert t.entries() == [Entry(announced, 100.0, 100.0, 100.0, signed=True)]
+    assert t.registrations() == [Registration(announced, 100.0, 100.0, 100.0, signed=True)]
     assert t.snapshot() is before and t.revision == revision
 
 
@@ -618,8 +619,8 @@ def test_a_copy_keeps_which_instances_are_signed() -> None:
     t.announce(v1(1), now=0.0, signed=True)
     t.announce(v0(2), now=0.0)
     copy = table()
-    copy.adopt(t.entries())
-    assert [e.signed for e in copy.entries()] == [True, False]
+    copy.adopt(t.registrations())
+    assert [e.signed for e in copy.registrations()] == [True, False]
 
 
 # ---------------------------------------------------------------------------------------------
@@ -729,8 +730,8 @@ def test_a_copy_adopts_entries_counts_lookups_and_statics() -> None:
     owner.announce(v1(2), 1.0)
     owner.announce(v1(3, Role.DECODE, zmq_address=zmq(9)), 2.0)
     copy = table()
-    assert copy.adopt(owner.entries()) is True
-    assert copy.entries() == owner.entries()
+    assert copy.adopt(owner.registrations()) is True
+    assert copy.registrations() == owner.registrations()
     mine, theirs = copy.snapshot(), owner.snapshot()
     assert (mine.prefills, mine.decodes) == (theirs.prefills, theirs.decodes)
     assert (copy.count(Role.PREFILL), copy.count(Role.DECODE)) == (1, 2)
@@ -743,10 +744,10 @@ def test_adopting_only_newer_times_keeps_the_snapshot() -> None:
     owner = table()
     owner.announce(v1(1), 0.0)
     copy = table()
-    copy.adopt(owner.entries())
+    copy.adopt(owner.registrations())
     snapshot = copy.snapshot()
     owner.announce(v1(1), 5.0)  # heartbeat: last_seen moves
-    assert copy.adopt(owner.entries()) is False
+    assert copy.adopt(owner.registrations()) is False
     assert copy.snapshot() is snapshot
     assert entry(copy, http(1)).last_seen == 5.0
 
@@ -756,11 +757,11 @@ def test_adopting_a_change_builds_a_new_snapshot() -> None:
     owner.announce(v1(1), 0.0)
     owner.announce(v1(2, Role.DECODE), 0.0)
     copy = table()
-    copy.adopt(owner.entries())
+    copy.adopt(owner.registrations())
     before = copy.snapshot()
     owner.announce(v1(1, load=Load(running=7)), 1.0)
     owner.remove(http(2))
-    assert copy.adopt(owner.entries()) is True
+    assert copy.adopt(owner.registrations()) is True
     after = copy.snapshot()
     assert after.version > before.version
     assert after.prefills[0].load == Load(running=7) and after.decodes == ()

@@ -16,13 +16,9 @@ import pytest
 from hypothesis import given, settings
 from hypothesis import strategies as st
 
-from pdproxy.registry.messages import Announcement, decode_frame
-from pdproxy.vllm_side.announcement import (
-    WorkerGeometry,
-    WorkerIdentity,
-    WorkerLoad,
-    announce_message,
-)
+from pdproxy.base.roles import Role
+from pdproxy.registry.messages import Announcement, Geometry, Load, decode_frame, known_fields
+from pdproxy.vllm_side.announcement import WorkerIdentity, announce_message
 from pdproxy.vllm_side.announcer import DEFAULT_INTERVAL_S
 from pdproxy.vllm_side.connector_settings import (
     DEFAULT_KV_PORT,
@@ -43,7 +39,7 @@ REGISTRY = {"proxy_ip": "10.0.0.1", "proxy_port": 30001, "http_port": 8100}
 
 def test_kv_producer_is_a_prefill_that_announces() -> None:
     s = connector_settings("kv_producer", None, 21001, REGISTRY, default_host="10.0.0.9")
-    assert s.role == "P"
+    assert s.role is Role.PREFILL
     assert s.registry == "10.0.0.1:30001"
     assert s.announces is True
     assert s.zmq_address == "10.0.0.9:21001"
@@ -52,7 +48,7 @@ def test_kv_producer_is_a_prefill_that_announces() -> None:
 
 def test_kv_consumer_is_a_decode() -> None:
     s = connector_settings("kv_consumer", None, 22001, REGISTRY, default_host="10.0.0.9")
-    assert s.role == "D"
+    assert s.role is Role.DECODE
     assert s.announces is True
 
 
@@ -187,7 +183,7 @@ DEEPSEEK_V3: dict[str, Any] = {
 
 def test_llama_3_8b() -> None:
     g = geometry_from_model_config(LLAMA_3_8B)
-    assert g == WorkerGeometry(
+    assert g == Geometry(
         num_layers=32, num_kv_heads=8, head_dim=128, kv_dtype="bfloat16", is_mla=False
     )
 
@@ -235,7 +231,7 @@ def test_gpt2_style_keys() -> None:
 
 def test_deepseek_v3_mla() -> None:
     g = geometry_from_model_config(DEEPSEEK_V3, tp_size=8, block_size=64)
-    assert g == WorkerGeometry(
+    assert g == Geometry(
         tp_size=8,
         block_size=64,
         num_layers=61,
@@ -296,7 +292,7 @@ def test_torch_dtype_preferred_over_dtype() -> None:
 
 def test_empty_config_is_all_unknown() -> None:
     g = geometry_from_model_config({})
-    assert g == WorkerGeometry(is_mla=False)
+    assert g == Geometry(is_mla=False)
 
 
 @pytest.mark.parametrize(
@@ -338,8 +334,8 @@ def test_zero_sizes_raise(key: str) -> None:
 )
 def test_geometry_from_a_valid_config_is_accepted_by_the_registry(config: dict[str, Any]) -> None:
     geometry = geometry_from_model_config(config, tp_size=1, block_size=16, kv_layout="NHD")
-    message = announce_message(WorkerIdentity("P", "10.0.0.1:8100", "10.0.0.1:21001"))
-    message["geometry"] = geometry.as_map()
+    message = announce_message(WorkerIdentity(Role.PREFILL, "10.0.0.1:8100", "10.0.0.1:21001"))
+    message["geometry"] = known_fields(geometry)
     decoded = decode_frame(msgpack.packb(message))
     assert isinstance(decoded, Announcement) and decoded.geometry is not None
     assert dataclasses.asdict(decoded.geometry) == dataclasses.asdict(geometry)
@@ -355,16 +351,16 @@ def test_hidden_not_divisible_by_heads_raises() -> None:
 
 def test_tracker_counts_a_request_through_its_life() -> None:
     tracker = LoadTracker()
-    assert tracker.load() == WorkerLoad(running=0, waiting=0, kv_usage=None)
+    assert tracker.load() == Load(running=0, waiting=0, kv_usage=None)
     tracker.arrived("a")
     tracker.arrived("b")
-    assert tracker.load() == WorkerLoad(running=0, waiting=2)
+    assert tracker.load() == Load(running=0, waiting=2)
     tracker.scheduled("a")
-    assert tracker.load(kv_usage=0.3) == WorkerLoad(running=1, waiting=1, kv_usage=0.3)
+    assert tracker.load(kv_usage=0.3) == Load(running=1, waiting=1, kv_usage=0.3)
     tracker.finished("a")
-    assert tracker.load() == WorkerLoad(running=0, waiting=1)
+    assert tracker.load() == Load(running=0, waiting=1)
     tracker.finished("b")  # finished while still waiting (aborted)
-    assert tracker.load() == WorkerLoad(running=0, waiting=0)
+    assert tracker.load() == Load(running=0, waiting=0)
 
 
 def test_tracker_is_idempotent() -> None:
@@ -393,7 +389,7 @@ def test_tracker_unknown_finish_is_harmless() -> None:
     tracker = LoadTracker()
     tracker.arrived("a")
     tracker.finished("never-seen")
-    assert tracker.load() == WorkerLoad(running=0, waiting=1)
+    assert tracker.load() == Load(running=0, waiting=1)
 
 
 def test_tracker_scheduled_without_arrival_counts_running() -> None:
@@ -466,22 +462,22 @@ vllm:cache_config_info{{block_size="16",cache_dtype="auto",engine="0",num_gpu_bl
 
 
 def test_single_engine_metrics() -> None:
-    assert load_from_metrics(vllm_metrics_text()) == WorkerLoad(running=3, waiting=1, kv_usage=0.25)
+    assert load_from_metrics(vllm_metrics_text()) == Load(running=3, waiting=1, kv_usage=0.25)
 
 
 def test_idle_server() -> None:
     load = load_from_metrics(vllm_metrics_text("0.0", "0.0", "0.0"))
-    assert load == WorkerLoad(running=0, waiting=0, kv_usage=0.0)
+    assert load == Load(running=0, waiting=0, kv_usage=0.0)
 
 
 def test_two_engines_sum_counts_and_take_the_fullest_cache() -> None:
     text = vllm_metrics_text("3.0", "1.0", "0.25", engines=("4.0,2.0,0.75",))
-    assert load_from_metrics(text) == WorkerLoad(running=7, waiting=3, kv_usage=0.75)
+    assert load_from_metrics(text) == Load(running=7, waiting=3, kv_usage=0.75)
 
 
 def test_three_engines_max_usage_from_any_engine() -> None:
     text = vllm_metrics_text("1.0", "0.0", "0.9", engines=("1.0,0.0,0.1", "1.0,5.0,0.2"))
-    assert load_from_metrics(text) == WorkerLoad(running=3, waiting=5, kv_usage=0.9)
+    assert load_from_metrics(text) == Load(running=3, waiting=5, kv_usage=0.9)
 
 
 def test_usage_is_clamped_to_a_fraction() -> None:
@@ -502,16 +498,16 @@ def test_absent_metrics_are_unknown() -> None:
     text = "\n".join(
         line for line in vllm_metrics_text().splitlines() if "kv_cache_usage" not in line
     )
-    assert load_from_metrics(text + "\n") == WorkerLoad(running=3, waiting=1, kv_usage=None)
-    assert load_from_metrics("") == WorkerLoad()
+    assert load_from_metrics(text + "\n") == Load(running=3, waiting=1, kv_usage=None)
+    assert load_from_metrics("") == Load()
     only_process = "# TYPE process_open_fds gauge\nprocess_open_fds 12.0\n"
-    assert load_from_metrics(only_process) == WorkerLoad()
+    assert load_from_metrics(only_process) == Load()
 
 
 def test_untyped_samples_are_read_too() -> None:
     # Without HELP/TYPE lines the parser still yields the samples.
     text = "vllm:num_requests_running 2\nvllm:num_requests_waiting 0\n"
-    assert load_from_metrics(text) == WorkerLoad(running=2, waiting=0)
+    assert load_from_metrics(text) == Load(running=2, waiting=0)
 
 
 @pytest.mark.parametrize(
@@ -530,7 +526,7 @@ def test_garbage_is_a_metrics_format_error(text: str) -> None:
         load_from_metrics(text)
 
 
-def _load_or_format_error(text: str) -> WorkerLoad | None:
+def _load_or_format_error(text: str) -> Load | None:
     try:
         return load_from_metrics(text)
     except MetricsFormatError:
@@ -673,7 +669,7 @@ def fake_vllm_config(**model_overrides: Any) -> SimpleNamespace:
 
 
 def test_geometry_from_vllm_config() -> None:
-    assert geometry_from_vllm_config(fake_vllm_config()) == WorkerGeometry(
+    assert geometry_from_vllm_config(fake_vllm_config()) == Geometry(
         tp_size=2,
         block_size=16,
         num_layers=32,
@@ -692,7 +688,7 @@ def test_a_failing_attribute_is_unknown_not_a_crash(caplog: pytest.LogCaptureFix
     with caplog.at_level(logging.WARNING, logger="pdproxy.vllm_side"):
         geometry = geometry_from_vllm_config(fake_vllm_config(get_head_size=broken))
     assert geometry.head_dim is None
-    assert geometry == WorkerGeometry(
+    assert geometry == Geometry(
         tp_size=2,
         block_size=16,
         num_layers=32,

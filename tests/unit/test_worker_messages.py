@@ -11,23 +11,23 @@ import pytest
 from hypothesis import given, settings
 from hypothesis import strategies as st
 
+from pdproxy.base.roles import Role
 from pdproxy.ids import Address
 from pdproxy.registry.messages import (
     GEOMETRY_LIMITS,
     Announcement,
     Connector,
+    Geometry,
     Leave,
+    Load,
     Message,
     Reason,
     Rejected,
-    Role,
     decode_frame,
 )
 from pdproxy.registry.table import Change, RegistryTable, Source
 from pdproxy.vllm_side.announcement import (
-    WorkerGeometry,
     WorkerIdentity,
-    WorkerLoad,
     announce_message,
     leave_message,
     v0_message,
@@ -36,7 +36,7 @@ from pdproxy.vllm_side.announcement import (
 # Deterministic and load-tolerant, as in test_messages.py.
 PROFILE = settings(derandomize=True, database=None, deadline=None)
 
-LLAMA_GEOMETRY = WorkerGeometry(
+LLAMA_GEOMETRY = Geometry(
     tp_size=2,
     block_size=16,
     num_layers=32,
@@ -48,7 +48,7 @@ LLAMA_GEOMETRY = WorkerGeometry(
 )
 
 DECODE = WorkerIdentity(
-    role="D",
+    role=Role.DECODE,
     http_address="decode-0.pd.svc:8200",
     zmq_address="decode-0.pd.svc:22001",
     model="meta-llama/Llama-3.1-8B-Instruct",
@@ -56,7 +56,9 @@ DECODE = WorkerIdentity(
     geometry=LLAMA_GEOMETRY,
 )
 
-PREFILL = WorkerIdentity(role="P", http_address="10.0.0.5:8100", zmq_address="10.0.0.5:21001")
+PREFILL = WorkerIdentity(
+    role=Role.PREFILL, http_address="10.0.0.5:8100", zmq_address="10.0.0.5:21001"
+)
 
 
 def roundtrip(message: dict[str, Any]) -> Message:
@@ -78,7 +80,7 @@ def geometry_fields(geometry: object) -> dict[str, Any]:
 def assert_same(identity: WorkerIdentity, decoded: Announcement) -> None:
     """The decoded announcement carries exactly what the identity said."""
     assert decoded.version == 1
-    assert decoded.role is Role(identity.role)
+    assert decoded.role is identity.role
     assert str(decoded.http_address) == identity.http_address
     assert str(decoded.zmq_address) == identity.zmq_address
     assert decoded.model == identity.model
@@ -97,7 +99,7 @@ def assert_same(identity: WorkerIdentity, decoded: Announcement) -> None:
 
 
 def test_full_announcement_round_trips() -> None:
-    load = WorkerLoad(running=3, waiting=1, kv_usage=0.25)
+    load = Load(running=3, waiting=1, kv_usage=0.25)
     decoded = announced(announce_message(DECODE, load))
     assert_same(DECODE, decoded)
     assert decoded.http_address == Address("decode-0.pd.svc", 8200)
@@ -128,7 +130,7 @@ def test_every_connector_kind_decodes(connector: str) -> None:
 
 
 def test_unknown_geometry_fields_are_omitted() -> None:
-    partial = WorkerGeometry(tp_size=4, num_layers=61, is_mla=True)
+    partial = Geometry(tp_size=4, num_layers=61, is_mla=True)
     identity = dataclasses.replace(PREFILL, geometry=partial)
     message = announce_message(identity)
     assert message["geometry"] == {"tp_size": 4, "num_layers": 61, "is_mla": True}
@@ -139,7 +141,7 @@ def test_unknown_geometry_fields_are_omitted() -> None:
 
 
 def test_all_unknown_geometry_is_an_empty_map_not_nulls() -> None:
-    message = announce_message(dataclasses.replace(PREFILL, geometry=WorkerGeometry()))
+    message = announce_message(dataclasses.replace(PREFILL, geometry=Geometry()))
     assert message["geometry"] == {}
     decoded = announced(message)
     assert decoded.geometry is not None
@@ -148,14 +150,14 @@ def test_all_unknown_geometry_is_an_empty_map_not_nulls() -> None:
 
 def test_is_mla_false_is_sent_not_dropped() -> None:
     # False is a value, not "unknown": only None is omitted.
-    message = announce_message(dataclasses.replace(PREFILL, geometry=WorkerGeometry(is_mla=False)))
+    message = announce_message(dataclasses.replace(PREFILL, geometry=Geometry(is_mla=False)))
     assert message["geometry"] == {"is_mla": False}
     decoded = announced(message)
     assert decoded.geometry is not None and decoded.geometry.is_mla is False
 
 
 def test_unknown_load_fields_are_omitted() -> None:
-    message = announce_message(PREFILL, WorkerLoad(waiting=0))
+    message = announce_message(PREFILL, Load(waiting=0))
     assert message["load"] == {"waiting": 0}
     decoded = announced(message)
     assert decoded.load is not None
@@ -167,7 +169,7 @@ def test_no_load_sends_no_load_key() -> None:
 
 
 def test_healthy_true_is_the_default_and_not_sent() -> None:
-    message = announce_message(DECODE, WorkerLoad(running=1), healthy=True)
+    message = announce_message(DECODE, Load(running=1), healthy=True)
     assert "healthy" not in message
     assert announced(message).healthy is True
 
@@ -255,12 +257,12 @@ def snapshot_names(table: RegistryTable, now: float | None = None) -> set[str]:
 
 
 def entry_names(table: RegistryTable) -> set[str]:
-    return {e.instance.name for e in table.entries()}
+    return {e.instance.name for e in table.registrations()}
 
 
 def test_unhealthy_instance_stays_listed_but_leaves_the_snapshot() -> None:
     table = RegistryTable(ttl=10.0, max_instances=16)
-    load = WorkerLoad(running=2, waiting=0, kv_usage=0.5)
+    load = Load(running=2, waiting=0, kv_usage=0.5)
     change, instance = table.announce(announced(announce_message(DECODE, load)), now=0.0)
     assert change is Change.REGISTERED and instance.source is Source.V1
     assert snapshot_names(table, now=0.0) == {DECODE.http_address}
@@ -285,13 +287,11 @@ def test_unhealthy_instance_stays_listed_but_leaves_the_snapshot() -> None:
 def test_sidecar_style_flip_with_load_lost_and_regained() -> None:
     # What `pdproxy announce` sends: no load while the server is down, a load once it is back.
     table = RegistryTable(ttl=10.0, max_instances=16)
-    table.announce(announced(announce_message(DECODE, WorkerLoad(running=1))), now=0.0)
+    table.announce(announced(announce_message(DECODE, Load(running=1))), now=0.0)
     change, _ = table.announce(announced(announce_message(DECODE, None, healthy=False)), now=1.0)
     assert change is Change.UPDATED
     assert snapshot_names(table, now=1.0) == set()
-    change, instance = table.announce(
-        announced(announce_message(DECODE, WorkerLoad(running=4))), now=1.1
-    )
+    change, instance = table.announce(announced(announce_message(DECODE, Load(running=4))), now=1.1)
     assert change is Change.UPDATED
     assert instance.load is not None and instance.load.running == 4
     assert snapshot_names(table, now=1.1) == {DECODE.http_address}
@@ -327,7 +327,7 @@ def test_leave_removes_an_unhealthy_instance() -> None:
     assert isinstance(leave, Leave)
     gone = table.remove(leave.http_address)
     assert gone is not None and gone.name == DECODE.http_address
-    assert table.entries() == []
+    assert table.registrations() == []
 
 
 # --- property: every value the decoder accepts survives the trip ---------------------------------
@@ -343,7 +343,7 @@ def _in_limits(name: str) -> st.SearchStrategy[int | None]:
 
 
 _geometries = st.builds(
-    WorkerGeometry,
+    Geometry,
     tp_size=_in_limits("tp_size"),
     block_size=_in_limits("block_size"),
     num_layers=_in_limits("num_layers"),
@@ -354,14 +354,14 @@ _geometries = st.builds(
     kv_layout=st.none() | st.sampled_from(["NHD", "HND"]),
 )
 _loads = st.builds(
-    WorkerLoad,
+    Load,
     running=st.none() | st.integers(0, 2**63 - 1),
     waiting=st.none() | st.integers(0, 2**63 - 1),
     kv_usage=st.none() | st.floats(0.0, 1.0, allow_nan=False),
 )
 _identities = st.builds(
     WorkerIdentity,
-    role=st.sampled_from(["P", "D"]),
+    role=st.sampled_from(Role),
     http_address=_addresses,
     zmq_address=_addresses,
     model=st.none() | st.text(min_size=1, max_size=256),
@@ -373,7 +373,7 @@ _identities = st.builds(
 @PROFILE
 @given(identity=_identities, load=st.none() | _loads, healthy=st.booleans())
 def test_property_announcements_round_trip(
-    identity: WorkerIdentity, load: WorkerLoad | None, healthy: bool
+    identity: WorkerIdentity, load: Load | None, healthy: bool
 ) -> None:
     decoded = announced(announce_message(identity, load, healthy))
     assert_same(identity, decoded)

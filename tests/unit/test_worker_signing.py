@@ -9,20 +9,21 @@ from typing import Any
 
 import pytest
 
+from pdproxy.base.roles import Role
 from pdproxy.fake_vllm.announce import announce_message as fake_announce_message
 from pdproxy.fake_vllm.config import Geometry, WorkerConfig
 from pdproxy.ids import Address
 from pdproxy.registry.auth import Verifier
-from pdproxy.registry.messages import Reason, Rejected
+from pdproxy.registry.messages import Load, Reason, Rejected
 from pdproxy.vllm_side.announce import add_cli, registry_secret
-from pdproxy.vllm_side.announcement import WorkerIdentity, WorkerLoad
+from pdproxy.vllm_side.announcement import WorkerIdentity
 from pdproxy.vllm_side.announcer import Announcer, LoadSample
 from pdproxy.vllm_side.connector_settings import ConnectorConfigError, connector_settings
 from pdproxy.vllm_side.secret import SECRET_ENV, SecretError, read_secret_file
 
 SECRET = b"worker-secret-0123456789"
 NOW = 1_700_000_000.0
-IDENTITY = WorkerIdentity("P", "10.0.0.5:20001", "10.0.0.5:21001", model="m")
+IDENTITY = WorkerIdentity(Role.PREFILL, "10.0.0.5:20001", "10.0.0.5:21001", model="m")
 
 
 class Client:
@@ -42,7 +43,7 @@ def run_once(secret: bytes | None) -> list[dict[str, Any]]:
     announcer = Announcer(
         client,  # type: ignore[arg-type]
         IDENTITY,
-        lambda: LoadSample(WorkerLoad(running=1)),
+        lambda: LoadSample(Load(running=1)),
         interval_s=0.01,
         secret=secret,
         wall_clock=lambda: NOW,
@@ -105,7 +106,7 @@ def test_connector_reads_the_secret_file_setting() -> None:
 
 def fake_config(secret: bytes | None, announce: str = "v1") -> WorkerConfig:
     return WorkerConfig(
-        role="D",
+        role=Role.DECODE,
         http=Address("127.0.0.1", 8000),
         kv=Address("127.0.0.1", 8001),
         proxy=Address("127.0.0.1", 30001),
@@ -128,8 +129,8 @@ def test_the_fake_worker_signs_v1_but_not_v0() -> None:
     assert SECRET.decode() not in repr(cfg)
     verifier = Verifier(SECRET, max_skew_s=3600)
     for op in ("announce", "leave"):
-        verifier.verify(fake_announce_message(cfg, op, WorkerLoad()), time.time())
-    assert "auth" not in fake_announce_message(fake_config(SECRET, "v0"), "announce", WorkerLoad())
+        verifier.verify(fake_announce_message(cfg, op, Load()), time.time())
+    assert "auth" not in fake_announce_message(fake_config(SECRET, "v0"), "announce", Load())
     with pytest.raises(Rejected) as info:
-        verifier.verify(fake_announce_message(fake_config(None), "announce", WorkerLoad()), NOW)
+        verifier.verify(fake_announce_message(fake_config(None), "announce", Load()), NOW)
     assert info.value.reason is Reason.UNSIGNED

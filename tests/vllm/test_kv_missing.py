@@ -96,7 +96,7 @@ def test_a_prefill_dying_before_its_kv_left(stack: Stack) -> None:
     assert not caller.is_alive(), "the request hung"
     assert outcome["seconds"] < KV_TIMEOUT_S + 30
 
-    received = [r for r in stack.decode.records("transfer") if r["side"] == "D"]
+    received = [r for r in stack.decode.records("transfer") if r["side"] == "decode"]
     assert [r["outcome"] for r in received] == ["timeout"]
     # The proxy reports it: the decode's side of the transfer counted as a timeout.
     wait_until(

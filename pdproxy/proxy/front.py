@@ -1,5 +1,5 @@
-"""The ASGI callable the HTTP server runs: the API key check, then the completion endpoints
-straight, everything else through FastAPI (and counted).
+"""The front door: the ASGI callable the HTTP server runs: the API key check, then the completion
+endpoints straight, everything else through FastAPI (and counted).
 
 Apart from `PdproxyApp` (proxy/app.py, which builds it and runs the lifespan) so that the
 compiled build compiles it: the server's task awaits this for every request, and each time the
@@ -33,7 +33,7 @@ COUNTED_PATHS = frozenset(
 Asgi = Callable[[Scope, Any, Any], Awaitable[None]]
 
 
-class Entry:
+class FrontDoor:
     """`hot` and `metrics` are set for the lifespan (PdproxyApp's), empty and None outside."""
 
     def __init__(self, api: Asgi, credentials: Credentials) -> None:

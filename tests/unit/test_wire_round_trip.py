@@ -1,0 +1,160 @@
+"""One wire schema: whatever the registry's typed messages hold, `to_map` writes a map that
+`parse_message` reads back as the same message (and msgpack carries it unchanged)."""
+
+from __future__ import annotations
+
+import json
+import subprocess
+import sys
+
+import msgpack
+from hypothesis import given, settings
+from hypothesis import strategies as st
+
+from pdproxy.base.roles import Role
+from pdproxy.ids import Address
+from pdproxy.registry.messages import (
+    GEOMETRY_LIMITS,
+    MAX_MODEL_LEN,
+    MAX_TP_SIZE,
+    MAX_TRANSFER_COUNT,
+    MAX_TRANSFERS,
+    Announcement,
+    Connector,
+    Geometry,
+    Leave,
+    Load,
+    Message,
+    Stats,
+    TransferOutcome,
+    TransferReport,
+    decode_frame,
+    parse_message,
+    to_map,
+)
+
+addresses = st.builds(
+    Address,
+    st.sampled_from(["10.0.0.5", "worker-1.svc", "127.0.0.1", "decode-3.pd.svc.cluster.local"]),
+    st.integers(1, 65535),
+)
+
+
+def _in_limits(name: str) -> st.SearchStrategy[int | None]:
+    return st.none() | st.integers(1, GEOMETRY_LIMITS[name])
+
+
+geometries = st.builds(
+    Geometry,
+    tp_size=_in_limits("tp_size"),
+    block_size=_in_limits("block_size"),
+    num_layers=_in_limits("num_layers"),
+    num_kv_heads=_in_limits("num_kv_heads"),
+    head_dim=_in_limits("head_dim"),
+    kv_dtype=st.none() | st.text(min_size=1, max_size=32),
+    is_mla=st.none() | st.booleans(),
+    kv_layout=st.none() | st.sampled_from(["NHD", "HND"]),
+)
+loads = st.builds(
+    Load,
+    running=st.none() | st.integers(0, 2**63 - 1),
+    waiting=st.none() | st.integers(0, 2**63 - 1),
+    kv_usage=st.none() | st.floats(0.0, 1.0),
+)
+v1_announcements = st.builds(
+    Announcement,
+    version=st.just(1),
+    role=st.sampled_from(Role),
+    http_address=addresses,
+    zmq_address=addresses,
+    model=st.none() | st.text(min_size=1, max_size=256),
+    connector=st.none() | st.sampled_from(Connector),
+    geometry=st.none() | geometries,
+    load=st.none() | loads,
+    healthy=st.booleans(),
+    max_model_len=st.none() | st.integers(1, MAX_MODEL_LEN),
+)
+# Stock vLLM's message carries only these three fields.
+v0_announcements = st.builds(Announcement, st.just(0), st.sampled_from(Role), addresses, addresses)
+transfers = st.builds(
+    TransferReport,
+    transfer_id=st.from_regex(r"[0-9a-f]{32}-[A-Za-z0-9_.-]{0,63}", fullmatch=True),
+    peer=addresses,
+    bytes=st.integers(0, MAX_TRANSFER_COUNT),
+    blocks=st.integers(0, MAX_TRANSFER_COUNT),
+    seconds=st.floats(0.0, 1e9),
+    outcome=st.sampled_from(TransferOutcome),
+)
+
+
+@st.composite
+def stats(draw: st.DrawFn) -> Stats:
+    ranks = draw(st.integers(1, MAX_TP_SIZE))
+    return Stats(
+        role=draw(st.sampled_from(Role)),
+        http_address=draw(addresses),
+        rank=draw(st.integers(0, ranks - 1)),
+        ranks=ranks,
+        transfers=tuple(draw(st.lists(transfers, max_size=MAX_TRANSFERS // 16))),
+    )
+
+
+messages = v1_announcements | v0_announcements | st.builds(Leave, addresses) | stats()
+
+
+@settings(derandomize=True, database=None, deadline=None, max_examples=400)
+@given(message=messages)
+def test_every_message_round_trips(message: Message) -> None:
+    wire = to_map(message)
+    assert parse_message(wire) == message
+    assert decode_frame(msgpack.packb(wire)) == message
+
+
+def test_the_role_travels_as_its_wire_letter() -> None:
+    http, zmq = Address("10.0.0.5", 8100), Address("10.0.0.5", 21001)
+    assert to_map(Announcement(0, Role.PREFILL, http, zmq)) == {
+        "type": "P",
+        "http_address": "10.0.0.5:8100",
+        "zmq_address": "10.0.0.5:21001",
+    }
+    assert to_map(Announcement(1, Role.DECODE, http, zmq))["type"] == "D"
+
+
+def test_unknown_and_default_fields_stay_off_the_wire() -> None:
+    http, zmq = Address("10.0.0.5", 8100), Address("10.0.0.5", 21001)
+    announcement = Announcement(1, Role.DECODE, http, zmq, geometry=Geometry(tp_size=2))
+    assert to_map(announcement) == {
+        "v": 1,
+        "op": "announce",
+        "type": "D",
+        "http_address": "10.0.0.5:8100",
+        "zmq_address": "10.0.0.5:21001",
+        "geometry": {"tp_size": 2},
+    }
+
+
+def test_the_wire_module_loads_nothing_heavy() -> None:
+    """The vLLM side loads the schema inside vLLM: only msgpack and pdproxy's base types."""
+    probe = (
+        "import sys, json, pdproxy.registry.messages; "
+        "print(json.dumps(sorted(m.split('.')[0] if not m.startswith('pdproxy') else m "
+        "for m in sys.modules)))"
+    )
+    before = _modules("import sys, json; print(json.dumps(sorted(sys.modules)))")
+    loaded = set(_modules(probe)) - {m.split(".")[0] for m in before} - set(before)
+    assert {m for m in loaded if m.startswith("pdproxy")} == {
+        "pdproxy",
+        "pdproxy.base",
+        "pdproxy.base.roles",
+        "pdproxy.ids",
+        "pdproxy.registry",
+        "pdproxy.registry.messages",
+    }
+    assert loaded.isdisjoint({"starlette", "httpx", "pydantic", "prometheus_client", "zmq"})
+
+
+def _modules(code: str) -> list[str]:
+    done = subprocess.run(
+        [sys.executable, "-c", code], capture_output=True, text=True, timeout=60, check=True
+    )
+    return list(json.loads(done.stdout))
