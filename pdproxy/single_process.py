@@ -8,7 +8,7 @@ import logging
 from pdproxy.config import Settings
 from pdproxy.proxy.app import PdproxyApp
 from pdproxy.proxy.credentials import Credentials
-from pdproxy.proxy.draining import run_server
+from pdproxy.proxy.serving import run_server
 
 log = logging.getLogger("pdproxy")
 

@@ -73,7 +73,7 @@ def run_http_worker(
     signal.signal(signal.SIGINT, signal.SIG_IGN)
     from pdproxy.multiworker.registry_link import RegistryProcessCopy
     from pdproxy.proxy.app import create_app
-    from pdproxy.proxy.draining import run_server
+    from pdproxy.proxy.serving import run_server
     from pdproxy.single_process import raise_descriptor_limit
 
     configure_logging(settings.log_level, settings.log_format)

@@ -34,7 +34,7 @@ class Admission:
         # FIFO: a slot given back goes straight to the longest waiting request.
         self._slots = Slots(asyncio.get_running_loop(), limit)
         self.waiting = 0
-        self.draining = False
+        self.closing = False
 
     @property
     def active(self) -> int:
@@ -68,8 +68,8 @@ class Admission:
             self.waiting -= 1
             self._metrics.queued.set(self.waiting)
 
-    def refuse_if_draining(self) -> None:
-        if self.draining:
+    def refuse_if_closing(self) -> None:
+        if self.closing:
             self._refused("draining")
             raise ProxyError(
                 503,
@@ -79,7 +79,7 @@ class Admission:
             )
 
     async def _enter(self) -> None:
-        self.refuse_if_draining()
+        self.refuse_if_closing()
         try:
             if not self._slots.try_take():
                 await self._wait_for_slot()

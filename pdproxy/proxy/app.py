@@ -96,10 +96,10 @@ class PdproxyApp:
             state.alarms.close()
             self._state = None
 
-    def begin_drain(self) -> None:
+    def begin_shutdown(self) -> None:
         """SIGTERM: /ready answers 503 and new requests are refused from now on."""
-        if self._state is not None and not self._state.admission.draining:
-            self._state.admission.draining = True
+        if self._state is not None and not self._state.admission.closing:
+            self._state.admission.closing = True
             log.info("draining: refusing new requests, waiting for those in flight")
 
     @property

@@ -56,7 +56,7 @@ def install_routes(
     @api.get("/ready")
     async def ready() -> Response:
         state = current_state()
-        if state.admission.draining:
+        if state.admission.closing:
             return _json({"status": "not_ready", "reason": "draining: shutting down"}, 503)
         # Ejected and drained instances do not count: a fleet whose every pair is ejected
         # is not ready, even though its instances are registered.

@@ -22,8 +22,8 @@ from pdproxy.config import ENV_PREFIX, Settings
 from pdproxy.demo.processes import http_get
 from pdproxy.proxy.app import PdproxyApp
 from pdproxy.proxy.credentials import Credentials
-from pdproxy.proxy.draining import FINAL_GRACE_SECONDS
 from pdproxy.proxy.front import COMPLETION_PATHS
+from pdproxy.proxy.serving import FINAL_GRACE_SECONDS
 from pdproxy.registry.auth import Verifier, new_nonce, signed
 from pdproxy.vllm_side.announce import registry_secret
 from pdproxy.vllm_side.connector_settings import connector_settings

@@ -1,13 +1,15 @@
-"""Graceful shutdown: SIGTERM drains before the server stops.
+"""The HTTP server and its graceful shutdown: on SIGTERM the proxy finishes what it holds
+before it stops (the setting keeps its public name, `drain_seconds`; an operator's drain of an
+instance is another thing, in registry/operator.py).
 
 uvicorn's own SIGTERM handling closes the listening socket at once, so /ready can no longer
 say "not ready" while a load balancer still routes here. Instead, the first SIGTERM (or
-SIGINT) only starts draining: /ready answers 503, new requests get 503 with
+SIGINT) only starts the shutdown: /ready answers 503, new requests get 503 with
 `Connection: close`, and the requests in flight get `drain_seconds` to finish. Then uvicorn's
 normal shutdown runs and the process exits 0. A second signal starts that shutdown at once
 (what is still running gets FINAL_GRACE_SECONDS, then ends with an error event).
 
-An HTTP worker of a multi-worker proxy (`worker=True`) drains on SIGTERM from its supervisor
+An HTTP worker of a multi-worker proxy (`worker=True`) shuts down on SIGTERM from its supervisor
 and takes no other signal: a terminal's Ctrl-C reaches every process of the group, and only
 the supervisor decides the order of the shutdown (see multiworker/supervisor.py).
 """
@@ -35,7 +37,7 @@ FINAL_GRACE_SECONDS = 1
 
 
 class Drainable(Protocol):
-    def begin_drain(self) -> None:
+    def begin_shutdown(self) -> None:
         """Idempotent: called on every tick while draining."""
 
     @property
@@ -47,7 +49,7 @@ class Drainable(Protocol):
         ...
 
 
-class DrainingServer(uvicorn.Server):
+class GracefulServer(uvicorn.Server):
     def __init__(
         self,
         config: uvicorn.Config,
@@ -85,7 +87,7 @@ class DrainingServer(uvicorn.Server):
             return True
         if self._drain_until is None:
             return False
-        self._app.begin_drain()
+        self._app.begin_shutdown()
         if self._app.idle:
             log.info("drained: every request finished; shutting down")
             self.should_exit = True
@@ -121,7 +123,7 @@ def run_server(
         timeout_graceful_shutdown=FINAL_GRACE_SECONDS,
         backlog=settings.backlog,
     )
-    server = DrainingServer(config, app, settings.drain_seconds, worker, on_started)
+    server = GracefulServer(config, app, settings.drain_seconds, worker, on_started)
     server.run(sockets=sockets)
     return server.started
 
