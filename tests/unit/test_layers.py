@@ -181,6 +181,37 @@ def _violations(graph: dict[str, set[str]]) -> set[tuple[str, str]]:
     return found
 
 
+# What the vLLM-side package and the fake vLLM server may import of pdproxy besides
+# themselves: the base types and the wire (DESIGN.md: "importing none of its HTTP stack").
+BESIDE_THE_PROXY = ("pdproxy.vllm_side", "pdproxy.fake_vllm")
+WIRE_AND_BASE = (
+    "pdproxy",
+    "pdproxy.base",
+    "pdproxy.ids",
+    "pdproxy.registry.messages",
+    "pdproxy.registry.auth",
+    "pdproxy.pairing.geometry",
+    "pdproxy.vllm_side",
+)
+
+
+def _within(module: str, prefixes: tuple[str, ...]) -> bool:
+    return any(module == p or module.startswith(p + ".") for p in prefixes)
+
+
+def test_the_vllm_side_imports_only_the_base_types_and_the_wire() -> None:
+    graph = _graph()
+    found = sorted(
+        (module, target)
+        for module, targets in graph.items()
+        if _within(module, BESIDE_THE_PROXY)
+        for target in targets
+        if not _within(target, (module.split(".")[0] + "." + module.split(".")[1],))
+        and not (target == "pdproxy" or _within(target, WIRE_AND_BASE[1:]))
+    )
+    assert not found, "\n".join(f"  {a} -> {b}" for a, b in found)
+
+
 def test_every_module_has_a_layer() -> None:
     for module in _graph():
         layer_of(module)
