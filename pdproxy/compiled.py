@@ -16,10 +16,8 @@ import importlib.util
 # most built-in exceptions (proxy/tracing.py has one): the per-request parts of both live in
 # modules of their own (proxy/front.py, tracing/w3c.py).
 #
-# Dataclasses made per request have a hand-written __init__ (init=False) and are not frozen:
-# mypyc compiles a class's own methods, but the __init__ the dataclasses module generates runs
-# interpreted, and a frozen one sets each field through object.__setattr__. Six of them cost
-# 12% of a compiled request's instructions (callgrind); their hash and equality are kept.
+# Dataclasses made per request have a hand-written __init__ (init=False) and are not frozen,
+# because the generated one runs interpreted: docs/performance.md, "Dataclass constructors".
 COMPILED_MODULES = (
     "pdproxy.ids",
     "pdproxy.local_metrics",

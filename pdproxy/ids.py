@@ -40,9 +40,8 @@ class AddressError(ValueError):
 class Address:
     host: str
     port: int
-    # "host:port" and the hash, made once: instances are named by their address in every
-    # request's metrics and logs, and the in-flight counts and score boards are keyed by it
-    # (a generated hash would build a tuple per lookup, a score of them per request).
+    # "host:port" and the hash, made once: every request names instances by their address and
+    # looks them up by it (docs/performance.md, "Addresses").
     _text: str = field(init=False, repr=False, compare=False)
     _hash: int = field(init=False, repr=False, compare=False)
     # Whether a request id may carry it, judged once: every request id checks both addresses.

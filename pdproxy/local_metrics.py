@@ -1,11 +1,11 @@
 """Lock-free values for the metrics every request updates, in a process that serves alone.
 
 prometheus_client guards each value with a lock and finds a histogram's bucket with a Python
-loop over its bounds: about 4.5 µs for the five updates of one request, 3% of what the proxy
-spends on it. One process that updates and scrapes its metrics on one event loop needs neither
-(`/metrics` is rendered on that loop). So there the request counter, the latency histograms and
-the admitted gauge count into plain numbers that a collector exposes at scrape time; with several
-workers prometheus_client's own values stay, because they write to the shared files.
+loop over its bounds, on every request (docs/performance.md, "Per-request metrics"). One
+process that updates and scrapes its metrics on one event loop needs neither (`/metrics` is
+rendered on that loop). So there the request counter, the latency histograms and the admitted
+gauge count into plain numbers that a collector exposes at scrape time; with several workers
+prometheus_client's own values stay, because they write to the shared files.
 
 Each family is made from its prometheus_client definition (name, help, labels, buckets), and its
 samples come out as that object's would: the same names, labels, order and `_created` series.

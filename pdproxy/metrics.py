@@ -143,9 +143,8 @@ class Metrics:
             for family in self._local.first:
                 r.register(family)
         # Legs in flight. Several workers must each write theirs to the shared files: a gauge.
-        # In one process a collector reads the leg counts at scrape time instead (a gauge's inc
-        # and dec on every leg cost more than the counting); the gauge, unregistered, still
-        # defines the metric.
+        # In one process a collector reads the leg counts at scrape time instead (why:
+        # docs/performance.md, "Per-request metrics"); the gauge, unregistered, defines it.
         self.inflight = Gauge(
             *_INFLIGHT,
             registry=r if shared else None,

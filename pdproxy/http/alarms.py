@@ -1,9 +1,8 @@
 """One loop timer for all of a process's request deadlines, instead of one per wait.
 
-A request used to arm and cancel four event-loop timers (its whole-request, body, prefill and
-decode bounds). With uvloop each costs a TimerHandle, a libuv heap insertion and removal and a
-close callback: about 2.3 µs per arm and cancel, measured on this VM, some 9 µs per request.
-Nearly all of those timers are cancelled long before they are due.
+A request waits under four bounds (whole request, body, prefill, decode), nearly all of them
+lifted long before they are due; a loop timer per bound cost more than that deserves
+(docs/performance.md, "Alarms").
 
 `Alarms` keeps the bounds in slots of time instead, in a dict, and arms one loop timer for the
 earliest slot. A bound whose whole second begins more than `FINE_HORIZON` from now goes into

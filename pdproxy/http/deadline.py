@@ -1,11 +1,9 @@
 """asyncio.timeout for a task the caller already holds.
 
 On Python 3.11 every `asyncio.get_running_loop()` and `asyncio.current_task()` checks the
-process id with a getpid() system call (the running-loop cache is per process), and
-`asyncio.timeout` makes two of them each time it is entered. A request crossed half a dozen
-of those: measured with py-spy on the proxy at 64 concurrent requests, getpid() was about a
-quarter of its CPU on this VM, where a system call costs microseconds. A request therefore
-looks its task up once (`Exchange.task`) and bounds its waits with `Deadline`, which behaves
+process id with a getpid() system call, and `asyncio.timeout` makes two of them each time it
+is entered (docs/performance.md, "Loop and task lookups"). A request therefore looks its task
+up once (`Exchange.task`) and bounds its waits with `Deadline`, which behaves
 like asyncio.Timeout (it cancels the task when the time is up and turns that cancellation,
 and only that one, into TimeoutError) but is handed the task, and the process's `Alarms`
 (one loop timer for all bounds, instead of one per wait: see alarms.py).
@@ -62,8 +60,8 @@ class Deadline:
     def __enter__(self) -> Deadline:
         self._cancelling = self._task.cancelling()
         if self._when is not None:
-            # _arm directly, not through reschedule(): four of these per request, and a slot
-            # taken by a reschedule() before the block is taken again, not kept.
+            # _arm directly, not through reschedule() (one call less on every request's four
+            # deadlines), and a slot taken by a reschedule() before the block is taken again.
             self._arm(self._when)
         return self
 

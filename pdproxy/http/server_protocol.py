@@ -2,13 +2,13 @@
 
 uvicorn keeps what a server needs around connections: binding, the lifespan, signals, the
 date header, graceful shutdown (it calls `shutdown()` on every connection, then waits for the
-request tasks). This module replaces its per-connection protocol, which profiling showed on
-the hot path (docs/performance.md):
+request tasks). This module replaces its per-connection protocol, which is on every request's
+path (why, and what it saved: docs/performance.md, "The HTTP protocol"):
 
 - an answer whose length is known goes out in one write (status line, headers and body), not
   one for the head and one for the body;
 - a request waits for its body or for the client leaving on one future made on the serving
-  loop (an asyncio.Event looks the loop up: a getpid() system call on Python 3.11);
+  loop (an asyncio.Event looks the loop up: docs/performance.md, "Loop and task lookups");
 - the response headers are checked in one pass, not with two regular expressions each;
 - a request can ask to be told when its client leaves (`on_disconnect`, see DISCONNECT_HOOK)
   instead of keeping a task blocked in receive() for it.

@@ -323,7 +323,7 @@ class HostPort(Protocol):
 class Upstream:
     def __init__(self, connect_timeout: float, max_connections: int, user_agent: str) -> None:
         """Built inside the event loop it serves: it holds that loop rather than looking it up
-        per exchange (each lookup is a getpid() system call on Python 3.11)."""
+        per exchange (docs/performance.md, "Loop and task lookups")."""
         self._loop = asyncio.get_running_loop()
         self._connect_timeout = connect_timeout
         self._slot_count = max_connections
@@ -464,7 +464,8 @@ class Upstream:
 
 
 class _StreamCall:
-    """Upstream.stream's context manager. (A class, not an async generator: two per request.)"""
+    """Upstream.stream's context manager. (A class, not an async generator: docs/performance.md,
+    "Context managers as classes".)"""
 
     __slots__ = ("_address", "_body", "_connection", "_head", "_upstream")
 

@@ -12,7 +12,7 @@ class PrefixWindow:
     tokens: int
     key: int
 
-    # A hand-written __init__ (not frozen): see pdproxy/compiled.py on dataclasses.
+    # Why a hand-written __init__ (not frozen): docs/performance.md, "Dataclass constructors".
     def __init__(self, tokens: int, key: int) -> None:
         self.tokens = tokens
         self.key = key
@@ -30,7 +30,7 @@ class RequestFeatures:
     # much of the prompt it probably has cached.
     prefix_windows: tuple[PrefixWindow, ...]
 
-    # A hand-written __init__ (not frozen): see pdproxy/compiled.py on dataclasses.
+    # Why a hand-written __init__ (not frozen): docs/performance.md, "Dataclass constructors".
     def __init__(
         self,
         model: str,

@@ -60,7 +60,7 @@ class Pair:
     prefill_tokens: int  # prefill work counted in flight until released
     decode_tokens: int
 
-    # A hand-written __init__ (not frozen): see pdproxy/compiled.py on dataclasses.
+    # Why a hand-written __init__ (not frozen): docs/performance.md, "Dataclass constructors".
     def __init__(
         self, prefill: Instance, decode: Instance, prefill_tokens: int = 0, decode_tokens: int = 0
     ) -> None:

@@ -7,8 +7,7 @@ the longest window an instance was sent tells how much of a new prompt it can sk
 
 Counting that skipped part as no work matters: with every system prompt cached everywhere, a
 request's real prefill work is its user turn, 5-10x less than its prompt, and balancing by
-whole prompts balanced the wrong thing (benchmarks/bench_pairing.py: p99 TTFT at 80% load 0.56x
-round robin's counting whole prompts, 0.49x counting only what is probably not cached).
+whole prompts balanced the wrong thing (docs/performance.md, "Pairing decisions").
 """
 
 from __future__ import annotations

@@ -1,8 +1,8 @@
 """Load scores of one candidate set, kept exact as legs start and end. Pure.
 
 A min tree over the candidates: the least loaded instance is read in O(1) and one instance's
-change costs O(log n). A linear scan per request would cost about 50 microseconds at 500
-candidates in Python; the planner's budget for a whole decision at 1,000 instances is 50.
+change costs O(log n), where a linear scan per request would spend a whole decision's budget
+(docs/performance.md, "Pairing decisions").
 """
 
 from __future__ import annotations
@@ -59,8 +59,8 @@ class ScoreBoard:
     own legs in flight when the board was built (a board lives for one snapshot, which is
     rebuilt when load reports arrive). The announcement already includes the proxy's own legs
     that reached the instance, seconds late: adding both would count them twice and steer by
-    stale reports (benchmarks/bench_pairing.py measured p99 TTFT 0.90x round robin's with the
-    sum); taking only one would ignore other proxy replicas and direct clients."""
+    stale reports (docs/performance.md, "Pairing decisions"); taking only one would ignore
+    other proxy replicas and direct clients."""
 
     def __init__(self, instances: Sequence[Instance], scoring: Scoring, inflight: InFlight) -> None:
         self.instances = instances

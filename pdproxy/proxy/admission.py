@@ -112,7 +112,8 @@ class Admission:
 
 
 class _Slot:
-    """Admission.slot's context manager. (A class, not an async generator: one per request.)"""
+    """Admission.slot's context manager. (A class, not an async generator: docs/performance.md,
+    "Context managers as classes".)"""
 
     __slots__ = ("_admission",)
 

@@ -71,8 +71,8 @@ class PdproxyApp:
         }
         # Everything built so far lives as long as the process: out of the collector's sight,
         # so the full collections that requests' garbage triggers do not walk it each time;
-        # and collections less often (the hot path makes few reference cycles). Measured at
-        # c=64 on one core (docs/performance.md): p99 51-61 ms -> 17-29 ms, req/s about +15%.
+        # and collections less often (the hot path makes few reference cycles).
+        # docs/performance.md, "The garbage collector".
         gc.collect()
         gc.freeze()
         gc.set_threshold(20_000, 20, 20)

@@ -52,7 +52,8 @@ class CompletionsEndpoint:
         self._access_log = settings.log_format == "json"
         self._max_values = max_values(settings.max_body_bytes)
         # Built in the lifespan, on the loop that serves: current_task(loop) is then a dict
-        # lookup, where current_task() first looks the loop up (a getpid() on Python 3.11).
+        # lookup, where current_task() first looks the loop up (docs/performance.md, "Loop and
+        # task lookups").
         self._loop = asyncio.get_running_loop()
 
     async def __call__(self, scope: Scope, receive: Any, send: Any) -> None:

@@ -37,7 +37,7 @@ class ClientHeaders:
     traceparent: str | None
     tracestate: str | None
 
-    # A hand-written __init__ (not frozen): see pdproxy/compiled.py on dataclasses.
+    # Why a hand-written __init__ (not frozen): docs/performance.md, "Dataclass constructors".
     def __init__(
         self,
         request_id: bytes | None = None,
@@ -69,7 +69,7 @@ class RequestNotes:
     attempts: int
     trace_id: str | None
 
-    # A hand-written __init__ (not frozen): see pdproxy/compiled.py on dataclasses.
+    # Why a hand-written __init__ (not frozen): docs/performance.md, "Dataclass constructors".
     def __init__(self) -> None:
         self.model = None
         self.stream = None

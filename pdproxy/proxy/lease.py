@@ -8,7 +8,7 @@ back exactly once, with at most one outcome (success, or a failure of some kind)
         lease.decode.succeeded()
 
 (Classes with __slots__ and a hand-written __init__, no contextlib: three objects per request
-on the hot path, see pdproxy/compiled.py.)
+on the hot path; docs/performance.md, "Context managers as classes".)
 """
 
 from __future__ import annotations
@@ -141,7 +141,8 @@ class PairLease:
 
 def lease_pair(rotation: Rotation, pair: Pair) -> PairLease:
     """The legs of a pair `rotation.choose` returned, taken over before any await (a plain
-    function, not a coroutine wrapping choose: one coroutine less per request)."""
+    function, not a coroutine wrapping choose: docs/performance.md, "Context managers as
+    classes")."""
     return PairLease(
         LegLease(rotation, Role.PREFILL, pair.prefill, pair.prefill_tokens),
         LegLease(rotation, Role.DECODE, pair.decode, pair.decode_tokens),

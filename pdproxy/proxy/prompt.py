@@ -22,7 +22,7 @@ DEFAULT_CHAT_TOKENS = 256
 
 # Prefix windows: the first covers `prefix_tokens`, each next one twice as many, up to the whole
 # prompt or this many windows (256 x 2^5 = 8,192 tokens with the default), which bounds the
-# hashing per request (about 30 microseconds for 32 KB of text).
+# hashing per request (docs/performance.md, "Prompt features").
 MAX_PREFIX_WINDOWS = 6
 
 
@@ -105,8 +105,9 @@ def _completion_prompt(prompt: Any) -> tuple[str, list[int] | None]:
     the prefix, all of them count for size."""
     if isinstance(prompt, str):
         return prompt, None
-    # Shapes are told by their first element: checking every id of a long token-id prompt cost
-    # about 0.6 ms per request. A list that mixes kinds gets rough features; vLLM refuses it.
+    # Shapes are told by their first element, not by every id of a long token-id prompt
+    # (docs/performance.md, "Prompt features"). A list that mixes kinds gets rough features;
+    # vLLM refuses it.
     if isinstance(prompt, list) and prompt:
         first = prompt[0]
         if _is_token(first):

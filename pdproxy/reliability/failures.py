@@ -33,7 +33,8 @@ class Origin(StrEnum):
 
 
 class FailurePolicy:
-    """What one kind of failure means. (Not a dataclass: see pdproxy/compiled.py.)"""
+    """What one kind of failure means. (Not a dataclass: docs/performance.md, "Dataclass
+    constructors".)"""
 
     __slots__ = ("blames_instance", "origin", "retried", "status")
 

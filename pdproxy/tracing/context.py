@@ -25,7 +25,7 @@ class TraceContext:
     flags: str
     tracestate: str | None
 
-    # A hand-written __init__ (not frozen): see pdproxy/compiled.py on dataclasses.
+    # Why a hand-written __init__ (not frozen): docs/performance.md, "Dataclass constructors".
     def __init__(
         self, trace_id: str, parent_id: str | None, flags: str, tracestate: str | None = None
     ) -> None:

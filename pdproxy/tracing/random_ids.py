@@ -1,8 +1,8 @@
 """Random hex for request ids and trace ids, from the OS's generator, bought in bulk.
 
-os.urandom is a getrandom() system call; two per request (the tag's uid and a span id) were
-about a tenth of the proxy's CPU at 64 concurrent requests on this VM. The bytes come from the
-same generator, only fetched a few kilobytes at a time, so ids stay unpredictable.
+os.urandom is a getrandom() system call, and every request needs two ids (the tag's uid and a
+span id): docs/performance.md, "Random ids". The bytes come from the same generator, only
+fetched a few kilobytes at a time, so ids stay unpredictable.
 """
 
 from __future__ import annotations

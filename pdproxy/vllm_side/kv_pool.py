@@ -1,10 +1,9 @@
 """Receive memory for large KV payloads, reused from one transfer to the next. Capped in bytes.
 
-Memory a process writes for the first time costs a page fault per 4 KiB page: receiving 1 GiB
-into freshly allocated memory (as a receiver that allocates per message does) takes 262,144
-faults, which cost more CPU than copying the bytes. This pool hands out receive buffers from
-anonymous mappings it keeps, so a transfer lands in pages an earlier transfer already faulted in,
-as a plain `recv_into` into a preallocated buffer does.
+Memory a process writes for the first time costs a page fault per 4 KiB page, more CPU than
+copying the bytes (docs/performance.md, "KV receive buffers"). This pool hands out receive
+buffers from anonymous mappings it keeps, so a transfer lands in pages an earlier transfer
+already faulted in, as a plain `recv_into` into a preallocated buffer does.
 
 A buffer is lent as a writable memoryview of exactly the payload's size. It comes back by
 itself once nothing refers to its memory any more: the frame dropped by the `TransferBuffer`
@@ -23,9 +22,8 @@ about the same length): whole pages, and whole 2 MiB huge pages from 16 MiB on.
 
 Mappings of 2 MiB and more ask for transparent huge pages (`madvise(MADV_HUGEPAGE)` on this
 memory alone; nothing process-wide), which makes their first use cheaper where the kernel's THP
-mode is `madvise` or `always`: touching 1 GiB of fresh 32 MiB mappings took 150 ms and 512
-faults instead of 380-440 ms and 262,144 faults on the benchmark's VM (but 2.1-2.4 s against
-0.9-1.0 s the very first time after boot). Reused memory costs the same either way.
+mode is `madvise` or `always` (docs/performance.md, "KV receive buffers"). Reused memory costs
+the same either way.
 
 Not thread-safe: one receive thread owns a pool.
 """

@@ -10,8 +10,7 @@ would hold more than `load_factor` times the mean is passed over for the next on
 so a hot prefix spills to a few neighbours instead of swamping one instance.
 
 Announced load is not used here: it counts requests, not work, and lags by a report period
-(benchmarks/bench_pairing.py, before prefix_cache.py: p99 TTFT at 80% load 0.56x round robin's
-with work from the proxy's own legs, 0.61x with announced requests added). Every proxy replica
+(adding it made tails worse: docs/performance.md, "Pairing decisions"). Every proxy replica
 balancing its own share balances their sum: the ring is the same in every replica.
 """
 
@@ -31,8 +30,8 @@ from pdproxy.pairing.scoreboard import LoadKind
 from pdproxy.registry.table import Instance
 
 # Points per instance: enough that each instance's share of the ring is within a few percent
-# of 1/N. Rings are built once per membership (a ring of 1,000 instances: see
-# benchmarks/bench_pairing.py), on the first request after an instance joins or leaves.
+# of 1/N. Rings are built once per membership, on the first request after an instance joins
+# or leaves.
 VIRTUAL_NODES = 64
 _RINGS_KEPT = 16  # memberships remembered (one per prefill candidate set: model, geometry)
 # Ring points visited before giving up on the prefix's neighbourhood: bounds the decision.
@@ -46,8 +45,8 @@ class Ring:
 
 
 def instance_points(address: Address) -> array[int]:
-    """The instance's VIRTUAL_NODES ring positions: one extendable-output hash per instance
-    (a hash call per point made a ring of 1,000 instances take about 190 ms to build)."""
+    """The instance's VIRTUAL_NODES ring positions: one extendable-output hash per instance, not
+    one hash call per point (docs/performance.md, "Pairing decisions")."""
     stream = hashlib.shake_128(str(address).encode()).digest(8 * VIRTUAL_NODES)
     points = array("Q", stream)
     if sys.byteorder == "big":
