@@ -10,7 +10,7 @@ import threading
 import time
 from collections.abc import Awaitable, Callable
 from dataclasses import dataclass
-from typing import Any
+from typing import Any, Self
 from urllib.parse import urlsplit
 
 from pdproxy.demo.processes import http_get
@@ -122,34 +122,24 @@ def read_until(sock: socket.socket, marker: bytes, timeout: float) -> bytes:
     return data
 
 
-class ScriptedUpstream:
-    """A tiny HTTP server on a thread of its own, answering with exactly the bytes a test
-    scripts, to stand in for an instance that misbehaves in ways a fake worker cannot."""
+class LoopbackServer:
+    """An asyncio TCP server on 127.0.0.1 and a thread of its own, for a `with` block:
+    `serve` handles each connection; leaving the block stops the server and its tasks."""
 
-    def __init__(self, script: Callable[[asyncio.StreamWriter], Awaitable[None]]) -> None:
-        self._script = script
+    stream_limit = 1 << 16  # the readers' buffer bound (asyncio's default)
+
+    def __init__(self) -> None:
         self._loop = asyncio.new_event_loop()
         self._server: asyncio.Server | None = None
         self._thread = threading.Thread(target=self._loop.run_forever, daemon=True)
         self.port = 0
 
-    def __enter__(self) -> ScriptedUpstream:
-        async def serve(reader: asyncio.StreamReader, writer: asyncio.StreamWriter) -> None:
-            try:
-                head = await reader.readuntil(b"\r\n\r\n")
-                length = 0
-                for line in head.split(b"\r\n"):
-                    if line.lower().startswith(b"content-length:"):
-                        length = int(line.split(b":", 1)[1])
-                await reader.readexactly(length)
-                await self._script(writer)
-            except (ConnectionError, asyncio.IncompleteReadError):
-                pass
-            finally:
-                writer.close()
+    async def serve(self, reader: asyncio.StreamReader, writer: asyncio.StreamWriter) -> None:
+        raise NotImplementedError
 
+    def __enter__(self) -> Self:
         async def start() -> asyncio.Server:
-            return await asyncio.start_server(serve, "127.0.0.1", 0)
+            return await asyncio.start_server(self.serve, "127.0.0.1", 0, limit=self.stream_limit)
 
         self._thread.start()
         self._server = asyncio.run_coroutine_threadsafe(start(), self._loop).result(10)
@@ -169,6 +159,29 @@ class ScriptedUpstream:
         self._loop.call_soon_threadsafe(self._loop.stop)
         self._thread.join(10)
         self._loop.close()
+
+
+class ScriptedUpstream(LoopbackServer):
+    """A tiny HTTP server answering with exactly the bytes a test scripts, to stand in for an
+    instance that misbehaves in ways a fake worker cannot."""
+
+    def __init__(self, script: Callable[[asyncio.StreamWriter], Awaitable[None]]) -> None:
+        super().__init__()
+        self._script = script
+
+    async def serve(self, reader: asyncio.StreamReader, writer: asyncio.StreamWriter) -> None:
+        try:
+            head = await reader.readuntil(b"\r\n\r\n")
+            length = 0
+            for line in head.split(b"\r\n"):
+                if line.lower().startswith(b"content-length:"):
+                    length = int(line.split(b":", 1)[1])
+            await reader.readexactly(length)
+            await self._script(writer)
+        except (ConnectionError, asyncio.IncompleteReadError):
+            pass
+        finally:
+            writer.close()
 
 
 def json_answer(body: bytes) -> bytes:

@@ -30,6 +30,7 @@ import pytest
 
 from pdproxy.demo.fleet import LocalFleet
 from tests.integration.http_harness import Response, ResponseReader
+from tests.integration.support import LoopbackServer
 
 LOOPBACK = "127.0.0.1"
 MODEL = "fake-model"
@@ -84,47 +85,23 @@ class Recording:
     requests: list[Received] = field(default_factory=list)
 
 
-class RecordingUpstream:
+class RecordingUpstream(LoopbackServer):
     """An HTTP/1.1 server on a thread of its own that parses no more than it must: a head up
     to its empty line, a Content-Length body, and keep-alive. It records every byte each
     connection sends; anything else (no length, chunked, bytes it cannot frame) stays in
     `raw` unparsed and ends the connection, for the test to see."""
 
+    stream_limit = 1 << 20
+
     def __init__(self, answer: bytes) -> None:
+        super().__init__()
         self._answer = (
             b"HTTP/1.1 200 OK\r\nContent-Type: application/json\r\nContent-Length: %d\r\n\r\n%s"
             % (len(answer), answer)
         )
-        self._loop = asyncio.new_event_loop()
-        self._thread = threading.Thread(target=self._loop.run_forever, daemon=True)
-        self._server: asyncio.Server | None = None
         self._lock = threading.Lock()
         self._recording = Recording()
         self._connections = 0
-        self.port = 0
-
-    def __enter__(self) -> RecordingUpstream:
-        self._thread.start()
-        started = asyncio.run_coroutine_threadsafe(
-            asyncio.start_server(self._serve, LOOPBACK, 0, limit=1 << 20), self._loop
-        )
-        self._server = started.result(10)
-        self.port = self._server.sockets[0].getsockname()[1]
-        return self
-
-    def __exit__(self, *exc: object) -> None:
-        async def shutdown() -> None:
-            if self._server is not None:
-                self._server.close()
-            tasks = [t for t in asyncio.all_tasks() if t is not asyncio.current_task()]
-            for task in tasks:
-                task.cancel()
-            await asyncio.gather(*tasks, return_exceptions=True)
-
-        asyncio.run_coroutine_threadsafe(shutdown(), self._loop).result(10)
-        self._loop.call_soon_threadsafe(self._loop.stop)
-        self._thread.join(10)
-        self._loop.close()
 
     @property
     def spec(self) -> str:
@@ -136,7 +113,7 @@ class RecordingUpstream:
             recording, self._recording = self._recording, Recording()
         return recording
 
-    async def _serve(self, reader: asyncio.StreamReader, writer: asyncio.StreamWriter) -> None:
+    async def serve(self, reader: asyncio.StreamReader, writer: asyncio.StreamWriter) -> None:
         with self._lock:
             self._connections += 1
             connection = self._connections
