@@ -10,6 +10,7 @@ import pytest
 import yaml
 
 from pdproxy import __version__
+from pdproxy.base.roles import Role
 from pdproxy.config import Settings
 from pdproxy.fake_vllm.arguments import config_from_args
 from pdproxy.fake_vllm.config import WorkerConfig
@@ -56,7 +57,7 @@ def workers() -> list[str]:
 def test_services_are_the_proxy_a_2p2d_fake_fleet_and_monitoring() -> None:
     assert set(SERVICES) == {*PDPROXY_SERVICES, *THIRD_PARTY}
     roles = sorted(worker_config(name).role for name in workers())
-    assert roles == ["D", "D", "P", "P"]
+    assert roles == [Role.DECODE, Role.DECODE, Role.PREFILL, Role.PREFILL]
     assert set(PDPROXY_SERVICES) == {"pdproxy", *workers()}
 
 
