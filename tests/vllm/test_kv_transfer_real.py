@@ -9,6 +9,7 @@ from typing import Any
 import openai
 import pytest
 
+from pdproxy.base.roles import Role
 from pdproxy.demo.processes import wait_until
 from pdproxy.ids import parse_request_id
 from tests.harness.vllm_cpu import MODEL_NAME
@@ -75,8 +76,8 @@ def same_logprobs(a: Answer, b: Answer) -> bool:
     )
 
 
-def transfer_records(stack: RealStack, side: str, uid: str) -> list[dict[str, Any]]:
-    server = stack.prefill if side == "P" else stack.decode
+def transfer_records(stack: RealStack, side: Role, uid: str) -> list[dict[str, Any]]:
+    server = stack.prefill if side is Role.PREFILL else stack.decode
     return [
         row
         for row in server.records("transfer")
@@ -108,12 +109,12 @@ def test_disaggregated_answer_equals_one_vllm_and_decode_loaded_the_kv(
     tagged = parse_request_id(response_id)
     assert tagged is not None, response_id
     wait_until(
-        lambda: bool(transfer_records(real_stack, "D", tagged.uid)),
+        lambda: bool(transfer_records(real_stack, Role.DECODE, tagged.uid)),
         10,
         "the decode's transfer record",
     )
-    received = transfer_records(real_stack, "D", tagged.uid)
-    sent = transfer_records(real_stack, "P", tagged.uid)
+    received = transfer_records(real_stack, Role.DECODE, tagged.uid)
+    sent = transfer_records(real_stack, Role.PREFILL, tagged.uid)
     expected_bytes = (prompt_tokens - 1) * BYTES_PER_TOKEN
     assert [r["outcome"] for r in received] == ["ok"]
     assert received[0]["bytes"] == expected_bytes
