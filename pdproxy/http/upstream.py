@@ -17,6 +17,7 @@ import errno
 import socket
 from collections import deque
 from collections.abc import Mapping
+from contextlib import AbstractAsyncContextManager
 from enum import StrEnum
 from typing import Protocol, cast
 
@@ -318,6 +319,35 @@ class HostPort(Protocol):
     def port(self) -> int: ...
 
     def __hash__(self) -> int: ...
+
+
+class AnswerStream(Protocol):
+    """An answer whose status and headers arrived (`Stream`, or a test's scripted one)."""
+
+    status: int
+    content_type: bytes
+
+    async def next_chunk(self) -> bytes: ...
+
+    async def read_all(self, limit: int) -> bytes: ...
+
+
+class UpstreamClient(Protocol):
+    """What the request path asks of the upstream client: `Upstream`, or a test's scripted
+    transport (a protocol, so that the compiled build does not insist on the class)."""
+
+    async def post(
+        self, address: HostPort, path: str, body: bytes, headers: Mapping[str, str], limit: int
+    ) -> Reply: ...
+
+    def stream(
+        self,
+        method: str,
+        address: HostPort,
+        path: str,
+        body: bytes | None,
+        headers: Mapping[str, str],
+    ) -> AbstractAsyncContextManager[AnswerStream]: ...
 
 
 class Upstream:

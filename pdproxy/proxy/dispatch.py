@@ -23,7 +23,7 @@ from pdproxy.base.roles import Role
 from pdproxy.config import Settings
 from pdproxy.http.alarms import Alarms
 from pdproxy.http.deadline import Deadline
-from pdproxy.http.upstream import Reply, Upstream
+from pdproxy.http.upstream import Reply, UpstreamClient
 from pdproxy.ids import build_request_id
 from pdproxy.metrics import DECODE_REFUSED, Metrics
 from pdproxy.pairing.features import RequestFeatures
@@ -63,7 +63,7 @@ class Dispatcher:
         self,
         settings: Settings,
         rotation: Rotation,
-        upstream: Upstream,
+        upstream: UpstreamClient,
         metrics: Metrics,
         tracing: Tracing,
         alarms: Alarms,

@@ -21,7 +21,7 @@ import pytest
 
 from pdproxy.config import Settings
 from pdproxy.http.alarms import Alarms
-from pdproxy.http.upstream import Reply, Transport, Upstream, UpstreamError
+from pdproxy.http.upstream import Reply, Transport, UpstreamClient, UpstreamError
 from pdproxy.ids import Address
 from pdproxy.metrics import Metrics
 from pdproxy.proxy.admission import Admission
@@ -180,7 +180,7 @@ class Proxy:
         self.upstream = ScriptedUpstream()
         self.alarms = Alarms(asyncio.get_running_loop())
         tracing = build_tracing("none", lambda: "0" * 16)
-        upstream = cast(Upstream, self.upstream)  # the transport is scripted, nothing else
+        upstream = cast(UpstreamClient, self.upstream)  # the transport is scripted, nothing else
         self.dispatcher = Dispatcher(
             settings, self.rotation, upstream, self.metrics, tracing, self.alarms
         )
