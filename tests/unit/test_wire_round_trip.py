@@ -14,7 +14,6 @@ from hypothesis import strategies as st
 from pdproxy.base.roles import Role
 from pdproxy.ids import Address
 from pdproxy.registry.messages import (
-    GEOMETRY_LIMITS,
     MAX_MODEL_LEN,
     MAX_TP_SIZE,
     MAX_TRANSFER_COUNT,
@@ -23,7 +22,6 @@ from pdproxy.registry.messages import (
     Connector,
     Geometry,
     Leave,
-    Load,
     Message,
     Stats,
     TransferOutcome,
@@ -32,6 +30,7 @@ from pdproxy.registry.messages import (
     parse_message,
     to_map,
 )
+from tests.unit.test_worker_messages import GEOMETRIES, LOADS
 
 addresses = st.builds(
     Address,
@@ -40,27 +39,6 @@ addresses = st.builds(
 )
 
 
-def _in_limits(name: str) -> st.SearchStrategy[int | None]:
-    return st.none() | st.integers(1, GEOMETRY_LIMITS[name])
-
-
-geometries = st.builds(
-    Geometry,
-    tp_size=_in_limits("tp_size"),
-    block_size=_in_limits("block_size"),
-    num_layers=_in_limits("num_layers"),
-    num_kv_heads=_in_limits("num_kv_heads"),
-    head_dim=_in_limits("head_dim"),
-    kv_dtype=st.none() | st.text(min_size=1, max_size=32),
-    is_mla=st.none() | st.booleans(),
-    kv_layout=st.none() | st.sampled_from(["NHD", "HND"]),
-)
-loads = st.builds(
-    Load,
-    running=st.none() | st.integers(0, 2**63 - 1),
-    waiting=st.none() | st.integers(0, 2**63 - 1),
-    kv_usage=st.none() | st.floats(0.0, 1.0),
-)
 v1_announcements = st.builds(
     Announcement,
     version=st.just(1),
@@ -69,8 +47,8 @@ v1_announcements = st.builds(
     zmq_address=addresses,
     model=st.none() | st.text(min_size=1, max_size=256),
     connector=st.none() | st.sampled_from(Connector),
-    geometry=st.none() | geometries,
-    load=st.none() | loads,
+    geometry=st.none() | GEOMETRIES,
+    load=st.none() | LOADS,
     healthy=st.booleans(),
     max_model_len=st.none() | st.integers(1, MAX_MODEL_LEN),
 )

@@ -330,7 +330,8 @@ def test_leave_removes_an_unhealthy_instance() -> None:
     assert table.registrations() == []
 
 
-# --- property: every value the decoder accepts survives the trip ---------------------------------
+# --- property: every value the decoder accepts survives the trip (strategies shared with
+# test_wire_round_trip) ---------------------------------
 
 _hosts = st.from_regex(
     r"[a-z]([a-z0-9-]{0,8}[a-z0-9])?(\.[a-z]([a-z0-9-]{0,8}[a-z0-9])?){0,2}", fullmatch=True
@@ -342,7 +343,7 @@ def _in_limits(name: str) -> st.SearchStrategy[int | None]:
     return st.none() | st.integers(1, GEOMETRY_LIMITS[name])
 
 
-_geometries = st.builds(
+GEOMETRIES = st.builds(
     Geometry,
     tp_size=_in_limits("tp_size"),
     block_size=_in_limits("block_size"),
@@ -353,7 +354,7 @@ _geometries = st.builds(
     is_mla=st.none() | st.booleans(),
     kv_layout=st.none() | st.sampled_from(["NHD", "HND"]),
 )
-_loads = st.builds(
+LOADS = st.builds(
     Load,
     running=st.none() | st.integers(0, 2**63 - 1),
     waiting=st.none() | st.integers(0, 2**63 - 1),
@@ -366,12 +367,12 @@ _identities = st.builds(
     zmq_address=_addresses,
     model=st.none() | st.text(min_size=1, max_size=256),
     connector=st.none() | st.sampled_from([c.value for c in Connector]),
-    geometry=st.none() | _geometries,
+    geometry=st.none() | GEOMETRIES,
 )
 
 
 @PROFILE
-@given(identity=_identities, load=st.none() | _loads, healthy=st.booleans())
+@given(identity=_identities, load=st.none() | LOADS, healthy=st.booleans())
 def test_property_announcements_round_trip(
     identity: WorkerIdentity, load: Load | None, healthy: bool
 ) -> None:
