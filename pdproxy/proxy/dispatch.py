@@ -141,11 +141,12 @@ class Dispatcher:
                     raise
                 self._metrics.retries.labels(failure.role, failure.kind).inc()
                 log.info(
-                    "retrying in %.0f ms after %s (attempt %d of %d)",
+                    "retrying in %.0f ms after %s (attempt %d of %d, client id %r)",
                     delay * 1000,
                     failure.message,
                     failures + 1,
                     self._settings.max_attempts,
+                    exchange.client_id,
                 )
                 exchange.notes.attempts = failures + 1
                 await asyncio.sleep(delay)

@@ -177,6 +177,11 @@ class Exchange:
             self._watcher.cancel()
         self._watcher = None
 
+    @property
+    def client_id(self) -> str | None:
+        """The client's own X-Request-Id, if it sent one (for logs)."""
+        return None if self._echo_id is None else self._echo_id.decode("latin-1")
+
     # -- response ----------------------------------------------------------------------------
 
     def _headers(self, content_type: bytes, extra: tuple[tuple[bytes, bytes], ...]) -> Headers:

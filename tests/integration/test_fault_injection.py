@@ -46,6 +46,7 @@ FAULT_FLAGS = [
 
 @dataclass
 class Outcome:
+    client_id: str
     stream: bool
     status: int
     body: bytes
@@ -101,11 +102,14 @@ async def run_load(
         nonlocal done
         stream = i % 2 == 0
         body = {"model": MODEL, "prompt": f"request {i}", "max_tokens": TOKENS, "stream": stream}
+        client_id = f"fault-{i}"
         async with limit:
             started = time.monotonic()
-            async with session.post(url, json=body) as response:
+            headers = {"X-Request-Id": client_id}
+            async with session.post(url, json=body, headers=headers) as response:
                 data = await response.read()
-            outcomes.append(Outcome(stream, response.status, data, time.monotonic() - started))
+            seconds = time.monotonic() - started
+            outcomes.append(Outcome(client_id, stream, response.status, data, seconds))
             done += 1
             fault = at_progress.pop(done, None)
             if fault is not None:
@@ -130,6 +134,13 @@ def all_idle(fleet: LocalFleet) -> bool:
         and queued == 0
         and all(i["legs_in_flight"] == 0 for i in listed)
     )
+
+
+def proxy_log_about(fleet: LocalFleet, client_ids: list[str]) -> str:
+    """The proxy's log lines naming these client request ids (its retries and failures)."""
+    quoted = [f"'{client_id}'" for client_id in client_ids]
+    lines = (fleet.log_dir / "pdproxy.log").read_text(errors="replace").splitlines()
+    return "\n".join(line for line in lines if any(q in line for q in quoted))
 
 
 async def in_thread(call: Callable[[], None]) -> None:
@@ -168,7 +179,8 @@ def test_faults_under_load_reach_no_client_that_could_be_served(
     summary = Counter((o.stream, o.status) for o in others)
     assert not others, (
         f"{len(others)} requests failed before their first byte: {summary}; "
-        f"first: {others[0].body[-600:]!r}"
+        f"first: {others[0].body[-600:]!r}; what the proxy logged about the first three:\n"
+        + proxy_log_about(fleet, [o.client_id for o in others[:3]])
     )
     assert sum(1 for o in cut if d_drop.http_address in o.body.decode()) > 0
     assert len(complete) + len(cut) == 2000
