@@ -25,7 +25,8 @@ ENV PIP_DISABLE_PIP_VERSION_CHECK=1 \
     PIP_NO_CACHE_DIR=1
 
 WORKDIR /src
-COPY pyproject.toml README.md setup.py ./
+COPY pyproject.toml README.md LICENSE setup.py ./
+COPY build_support ./build_support
 COPY pdproxy ./pdproxy
 # A throwaway venv for the compiler: mypy, and pdproxy's dependencies, which it type-checks
 # against. Only the wheel it builds goes into /opt/pdproxy.

@@ -15,8 +15,19 @@ $(STAMP): pyproject.toml
 	$(BIN)/python -m pip install --quiet -e '.[dev]'
 	touch $(STAMP)
 
-demo: $(STAMP)
-	$(BIN)/python -m pdproxy demo
+# The demo gets a venv of its own with only what it needs (pdproxy, its fake workers and the
+# openai client): no test tools, no torch. PORT= and REGISTRY_PORT= pick the ports.
+DEMO_VENV ?= .venv-demo
+DEMO_STAMP := $(DEMO_VENV)/.pdproxy-demo-installed
+
+$(DEMO_STAMP): pyproject.toml
+	$(PYTHON) -m venv $(DEMO_VENV)
+	$(DEMO_VENV)/bin/python -m pip install --quiet --upgrade pip
+	$(DEMO_VENV)/bin/python -m pip install --quiet -e '.[demo]'
+	touch $(DEMO_STAMP)
+
+demo: $(DEMO_STAMP)
+	$(DEMO_VENV)/bin/python -m pdproxy demo $(if $(PORT),--port $(PORT)) $(if $(REGISTRY_PORT),--registry-port $(REGISTRY_PORT))
 
 test: lint typecheck vllm-env
 	$(BIN)/python -m pytest -q -p no:cacheprovider
@@ -66,4 +77,4 @@ bench: $(STAMP)
 	$(BIN)/python benchmarks/bench_proxy.py
 
 clean:
-	rm -rf $(VENV) build *.egg-info
+	rm -rf $(VENV) $(DEMO_VENV) build *.egg-info

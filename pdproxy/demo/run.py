@@ -4,6 +4,7 @@ official `openai` client, then serve until Ctrl-C (or exit at once with --once).
 from __future__ import annotations
 
 import argparse
+import shutil
 import signal
 import sys
 import tempfile
@@ -29,13 +30,23 @@ def add_cli(subparsers: argparse._SubParsersAction[argparse.ArgumentParser]) -> 
     )
     parser.add_argument("--port", type=int, default=8000, help="proxy HTTP port (default 8000)")
     parser.add_argument(
-        "--registry-port", type=int, default=30001, help="registry port (default 30001)"
+        "--registry-port",
+        type=int,
+        default=None,
+        help="registry port (default: a free one; workers are told where it is)",
     )
     parser.add_argument(
         "--token-latency-ms", type=float, default=20.0, help="fake per-token latency (default 20)"
     )
-    parser.add_argument("--log-dir", type=Path, default=None, help="where process logs go")
-    parser.add_argument("--once", action="store_true", help="exit after the sample requests")
+    parser.add_argument(
+        "--log-dir",
+        type=Path,
+        default=None,
+        help="where process logs go and stay (default: a temporary directory, removed on exit)",
+    )
+    parser.add_argument(
+        "--once", action="store_true", help="exit after the sample requests (for scripts)"
+    )
     parser.set_defaults(func=run)
 
 
@@ -52,6 +63,15 @@ def run(args: argparse.Namespace) -> int:
         )
         return 2
     log_dir = args.log_dir or Path(tempfile.mkdtemp(prefix="pdproxy-demo-"))
+    code = _run_fleet(args, log_dir, OpenAI)
+    if args.log_dir is None and code == 0:
+        shutil.rmtree(log_dir, ignore_errors=True)  # kept when something failed: read them
+    elif code != 0:
+        print(f"the processes' logs are in {log_dir}", file=sys.stderr)
+    return code
+
+
+def _run_fleet(args: argparse.Namespace, log_dir: Path, openai_client: Any) -> int:
     specs = [
         WorkerSpec(role, announce, DEMO_MODEL, token_latency_ms=args.token_latency_ms)
         for role in ("P", "D")
@@ -61,19 +81,23 @@ def run(args: argparse.Namespace) -> int:
     stop = threading.Event()
     signal.signal(signal.SIGTERM, lambda *_: stop.set())
     print(f"starting pdproxy on 127.0.0.1:{args.port} with 2 prefill + 2 decode fake workers")
-    print(f"(logs in {log_dir})")
     try:
         fleet.start()
+        print(f"registry on {fleet.registry_address}")
         for worker in fleet.workers:
             print(
                 f"  {worker.spec.role} {worker.http_address} kv {worker.zmq_address} "
                 f"announces {worker.spec.announce}"
             )
-        client = OpenAI(base_url=fleet.proxy_url + "/v1", api_key="demo", timeout=30, max_retries=0)
+        client = openai_client(
+            base_url=fleet.proxy_url + "/v1", api_key="demo", timeout=30, max_retries=0
+        )
         _sample_requests(client)
-        print(_curl(fleet.proxy_url))
         if args.once:
             return 0
+        print(_curl(fleet.proxy_url))
+        kept = "" if args.log_dir else " (removed on exit)"
+        print(f"the processes' logs are in {log_dir}{kept}")
         print("serving; press Ctrl-C to stop")
         while not stop.wait(0.5):
             pass
