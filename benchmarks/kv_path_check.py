@@ -41,6 +41,9 @@ mismatch makes the run fail (exit status 1) after the report.
     python benchmarks/kv_path_check.py --quick --json /tmp/kv.json
     benchmarks/gpu_check.sh                                 # a hard timeout, JSON under $OUT
 
+OpenMP workers wait passively (`omp_passive`, unless OMP_WAIT_POLICY is set): spinning ones
+left over from a gather take the cores the other process and the transport threads need.
+
 Works from a checkout with nothing installed beyond torch and msgpack (the transport's headers);
 it imports nothing else outside the standard library, neither vLLM nor pyzmq. The defaults (a
 7-8B model's rank: 32 layers, 8 KV heads, head_dim 128, blocks of 16 tokens: 2 MiB per block;
@@ -70,6 +73,7 @@ from multiprocessing.connection import Connection
 from typing import Any
 
 import checkout_root  # noqa: F401 - the checkout's pdproxy, with nothing installed
+import omp_passive  # noqa: F401 - before torch: OpenMP workers that do not spin
 import torch
 from arg_types import positive_int, positive_ints
 from unwind import run_unwound, write_json_report
@@ -703,7 +707,6 @@ def device_meta(device: str) -> dict[str, Any]:
         meta["cuda"] = torch.version.cuda
     else:
         meta["device_name"] = platform.processor() or platform.machine()
-        meta["torch_threads"] = torch.get_num_threads()
     return meta
 
 
@@ -835,6 +838,10 @@ def main(argv: list[str] | None = None) -> int:
         "dtypes": list(plan.dtypes),
         "repeats": plan.repeats,
         "quick": args.quick,
+        "omp_wait_policy": os.environ.get("OMP_WAIT_POLICY", ""),
+        "torch_threads": torch.get_num_threads(),
+        "cpu_count": os.cpu_count(),
+        "loadavg_before": os.getloadavg(),
         "command": [sys.executable, *sys.argv],
     }
     print(
@@ -848,6 +855,7 @@ def main(argv: list[str] | None = None) -> int:
         lambda: run(plan, lambda line: print(line, flush=True)),
         (CheckError, TimeoutError, OSError, queue.Empty),
     )
+    meta["loadavg_after"] = os.getloadavg()
     report = {"meta": meta, **report}
     report["bit_exact"] = bool(report["results"]) and all(r["bit_exact"] for r in report["results"])
     print()
@@ -860,7 +868,12 @@ def main(argv: list[str] | None = None) -> int:
     )
     if report["skipped"]:
         print(f"skipped (over --budget-s): {report['skipped']}")
-    print(f"bit-exact: {'yes' if report['bit_exact'] else 'NO'}; {report['elapsed_s']:.1f}s")
+    print(
+        f"bit-exact: {'yes' if report['bit_exact'] else 'NO'}; {report['elapsed_s']:.1f}s; "
+        f"load average {meta['loadavg_before'][0]:.2f} before, {meta['loadavg_after'][0]:.2f} "
+        f"after ({meta['cpu_count']} CPUs, {meta['torch_threads']} torch threads, "
+        f"OMP_WAIT_POLICY={meta['omp_wait_policy'] or 'unset'})"
+    )
     if args.json:
         write_json_report(args.json, report)
     return 0 if report["bit_exact"] else 1
