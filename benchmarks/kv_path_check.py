@@ -212,7 +212,7 @@ def request_key(uid: str, decode_port: int) -> TransferKey:
 
 def synchronize(device: str) -> None:
     if device.startswith("cuda"):
-        torch.cuda.synchronize()
+        torch.cuda.synchronize(torch.device(device))
 
 
 PREFILL_SEED, DECODE_SEED = 1, 2
