@@ -44,6 +44,11 @@ def listed(replica: Replica) -> dict[str, object] | None:
     return replica.instances().get(IDENTITY.http_address)
 
 
+def wait_listed(replica: Replica, present: bool, timeout: float) -> None:
+    what = f"{replica.name} {'lists' if present else 'forgets'} the instance"
+    wait_until(lambda: (listed(replica) is not None) == present, timeout, what)
+
+
 def test_announces_to_every_address_the_name_has(replicas: Replicas) -> None:
     first = replicas.start(["127.0.0.1", "127.0.0.2", "127.0.0.3"])
     one, two, three = first
@@ -56,7 +61,7 @@ def test_announces_to_every_address_the_name_has(replicas: Replicas) -> None:
     try:
         started = time.monotonic()
         for replica in first:
-            wait_until(lambda r=replica: listed(r) is not None, 10, f"{replica.name} lists it")
+            wait_listed(replica, True, 10)
         print(f"3 live replicas, one unreachable: listed in {time.monotonic() - started:.2f}s")
 
         # One replica added to the name, one removed, while the announcer runs.
@@ -64,7 +69,7 @@ def test_announces_to_every_address_the_name_has(replicas: Replicas) -> None:
         replicas.names.set(NAME, ["127.0.0.1", "127.0.0.2", "127.0.0.4", UNREACHABLE])
         added = time.monotonic()
         # Within one period of the lookup that finds it (plus the poll's own slack).
-        wait_until(lambda: listed(four) is not None, 2 * PERIOD_S + 3, "the new replica lists it")
+        wait_listed(four, True, 2 * PERIOD_S + 3)
         print(f"the added replica listed it {time.monotonic() - added:.2f}s after the change")
         time.sleep(4 * PERIOD_S)
         entry = listed(three)
@@ -80,5 +85,5 @@ def test_announces_to_every_address_the_name_has(replicas: Replicas) -> None:
 
     # `leave` reaches every replica the name still has: each forgets the instance at once.
     for replica in (one, two, four):
-        wait_until(lambda r=replica: listed(r) is None, 5, f"{replica.name} forgets it")
+        wait_listed(replica, False, 5)
     assert listed(three) is not None  # the removed replica got no `leave` either
