@@ -25,6 +25,10 @@ The model (times in simulated seconds, one simulated clock, one seeded RNG):
   ``max_seqs`` run and its prompt fits in the free KV (KV in use = prompt + generated tokens
   of the running requests); otherwise it waits (FIFO). No preemption: a batch may overshoot
   the KV capacity by the tokens it generates.
+* replicas: with several planners (``FleetSim(planner=[...])``), each one a proxy replica with
+  its own legs in flight, its own prefix-cache estimate and its own rings, arrivals are dealt to
+  them in turn (an L4 balancer's round robin); they share the table, as replicas do whose
+  workers announce to each of them (pdproxy.vllm_side.fanout).
 * TTFT = arrival -> prefill queue + prefill -> KV transfer -> decode queue -> end of the first
   decode step the request takes part in.
 """
@@ -36,7 +40,7 @@ import heapq
 import math
 import random
 from collections import OrderedDict, deque
-from collections.abc import Callable
+from collections.abc import Callable, Sequence
 from dataclasses import dataclass, field
 
 from workload import Request
@@ -97,6 +101,7 @@ class Job:
     done: float = math.nan
     cached_tokens: int = 0
     join_step: int = 0
+    replica: int = 0  # the planner (proxy replica) that placed it
 
 
 class PrefixCache:
@@ -190,7 +195,7 @@ class FleetSim:
     def __init__(
         self,
         spec: FleetSpec,
-        planner: Planner,
+        planner: Planner | Sequence[Planner],
         requests: tuple[Request, ...],
         rate: float,
         *,
@@ -200,7 +205,8 @@ class FleetSim:
         warmup_rate: float,
     ) -> None:
         self.spec = spec
-        self.planner = planner
+        self.planners = (planner,) if isinstance(planner, Planner) else tuple(planner)
+        self.planner = self.planners[0]
         self.requests = requests
         self.rate = rate
         self.model = model
@@ -248,7 +254,7 @@ class FleetSim:
                 raise SimError("event queue ran dry with requests unfinished")
             self.now, _, action = heapq.heappop(self._events)
             action()
-        if self.planner.inflight.total_requests() != 0:
+        if any(planner.inflight.total_requests() for planner in self.planners):
             raise SimError("legs still in flight after every request finished")
         measured = tuple(self.jobs[self.warmup :])
         start, end = measured[0].arrival, measured[-1].arrival
@@ -311,7 +317,8 @@ class FleetSim:
     def _arrive(self, job: Job) -> None:
         snapshot = self.table.snapshot(self.now)
         self._snapshot_ids.add(id(snapshot))
-        choice = self.planner.plan(snapshot, job.request.features)
+        job.replica = job.request.index % len(self.planners)
+        choice = self.planners[job.replica].plan(snapshot, job.request.features)
         if isinstance(choice, NoPair):
             raise SimError(f"no pair: {choice.reason}")
         job.pair = choice
@@ -349,7 +356,7 @@ class FleetSim:
         # The request's own blocks (after the shared ones) follow a prefix nobody else has:
         # they are keyed by the request's (negative, unique) identity and only churn the cache.
         worker.cache.insert(-1 - request.index, blocks - shared_blocks)
-        self.planner.release(job.pair.prefill.http_address, job.pair.prefill_tokens)
+        self.planners[job.replica].release(job.pair.prefill.http_address, job.pair.prefill_tokens)
         self.at(self.now + self._transfer_s(job.pair, request), lambda: self._kv_ready(job))
         if worker.queue:
             self._start_prefill(worker)
@@ -408,6 +415,6 @@ class FleetSim:
             worker.sum_join -= job.join_step
             job.done = self.now
             self.completed += 1
-            self.planner.release(job.pair.decode.http_address, job.pair.decode_tokens)
+            self.planners[job.replica].release(job.pair.decode.http_address, job.pair.decode_tokens)
         self._admit(worker)
         self._start_step(worker)

@@ -353,6 +353,14 @@ class Settings(BaseModel):
     admin_token_file: Path | None = Field(
         None, description="File holding the admin token (its first line)."
     )
+    peers_dns: str = Field(
+        "",
+        max_length=253,
+        pattern=r"^([A-Za-z0-9]([A-Za-z0-9.-]*[A-Za-z0-9])?)?$",
+        description="DNS name resolving to every replica of this proxy (a headless Service): "
+        "an admin drain, undrain or removal is then applied by each of them (at this proxy's "
+        "port, with the same admin token) and the answer says which did. Empty: off.",
+    )
     log_level: Literal["debug", "info", "warning", "error"] = Field(
         "info", description="Log level."
     )

@@ -1,5 +1,9 @@
-"""Registry announcements over a ZMQ DEALER: v0 exactly as stock vLLM, or v1 with model,
-geometry and load, and a v1 "leave" on shutdown."""
+"""Registry announcements over ZMQ DEALERs, one per address the registry's name resolves to
+(pdproxy.vllm_side.fanout, as the connector and `pdproxy announce`): v0 exactly as stock vLLM,
+or v1 with model, geometry and load, and a v1 "leave" to every replica on shutdown.
+
+As the vLLM-side announcer: the name is looked up and everything announced every period, and
+a load that changed is announced within LOAD_REPORT_S."""
 
 from __future__ import annotations
 
@@ -11,25 +15,19 @@ from collections.abc import Callable
 from dataclasses import asdict
 from typing import Any
 
-import msgpack
-import zmq
-import zmq.asyncio
-
 from pdproxy.fake_vllm.asyncio_helpers import cancel_task
 from pdproxy.fake_vllm.config import WorkerConfig
 from pdproxy.registry.auth import new_nonce, signed
 from pdproxy.registry.messages import Geometry, Load
 from pdproxy.vllm_side.announcement import WorkerIdentity, leave_message, v0_message
 from pdproxy.vllm_side.announcement import announce_message as worker_announce_message
+from pdproxy.vllm_side.announcer import LOAD_REPORT_S
+from pdproxy.vllm_side.fanout import FanOutClient, announce_resolver
 
 log = logging.getLogger("pdproxy.fake_vllm")
 
-ANNOUNCE_SNDHWM = 16  # a dead registry must not make stale announcements pile up
-ANNOUNCE_LINGER_MS = 500  # long enough for a final "leave" to get out, short enough to exit fast
-LEAVE_SEND_TIMEOUT_S = 0.5
 
-
-def announce_message(cfg: WorkerConfig, op: str, load: Load) -> dict[str, Any]:
+def unsigned_message(cfg: WorkerConfig, op: str, load: Load) -> dict[str, Any]:
     identity = WorkerIdentity(
         role=cfg.role,
         http_address=str(cfg.http),
@@ -41,55 +39,54 @@ def announce_message(cfg: WorkerConfig, op: str, load: Load) -> dict[str, Any]:
     )
     if cfg.announce == "v0":
         return v0_message(identity)  # byte-for-byte what stock vLLM's P2pNcclEngine sends
-    message = leave_message(identity) if op == "leave" else worker_announce_message(identity, load)
-    if cfg.registry_secret is not None:
+    return leave_message(identity) if op == "leave" else worker_announce_message(identity, load)
+
+
+def seal(cfg: WorkerConfig, message: dict[str, Any]) -> dict[str, Any]:
+    # v0 stays stock vLLM's bytes: a registry takes it unsigned or not at all.
+    if cfg.registry_secret is not None and cfg.announce == "v1":
         return signed(message, cfg.registry_secret, time.time(), new_nonce())
     return message
 
 
-async def send_frame(sock: zmq.asyncio.Socket, message: dict[str, Any], timeout_s: float) -> bool:
-    try:
-        await asyncio.wait_for(sock.send(msgpack.packb(message)), timeout_s)
-    except TimeoutError:
-        log.debug("fake worker: registry not reachable, %s dropped", message.get("op", "announce"))
-        return False
-    return True
+def announce_message(cfg: WorkerConfig, op: str, load: Load) -> dict[str, Any]:
+    return seal(cfg, unsigned_message(cfg, op, load))
 
 
 async def announce_forever(
-    cfg: WorkerConfig, sock: zmq.asyncio.Socket, load: Callable[[], Load]
+    cfg: WorkerConfig, client: FanOutClient, load: Callable[[], Load]
 ) -> None:
+    loop = asyncio.get_running_loop()
+    tick = min(cfg.announce_interval_s, LOAD_REPORT_S)
+    next_period = 0.0
+    announced: dict[str, Any] | None = None
     while True:
-        message = announce_message(cfg, "announce", load())
-        await send_frame(sock, message, cfg.announce_interval_s)
-        await asyncio.sleep(cfg.announce_interval_s)
-
-
-def registry_socket(ctx: zmq.asyncio.Context, cfg: WorkerConfig) -> zmq.asyncio.Socket:
-    assert cfg.proxy is not None
-    sock = ctx.socket(zmq.DEALER)
-    # The registry's ROUTER sees this identity frame; stock vLLM uses its zmq_address.
-    sock.setsockopt(zmq.IDENTITY, str(cfg.kv).encode())
-    sock.setsockopt(zmq.LINGER, ANNOUNCE_LINGER_MS)
-    sock.setsockopt(zmq.SNDHWM, ANNOUNCE_SNDHWM)
-    sock.connect(f"tcp://{cfg.proxy}")
-    return sock
+        message = unsigned_message(cfg, "announce", load())
+        if loop.time() >= next_period:
+            next_period = loop.time() + cfg.announce_interval_s
+            # The lookup (bounded) on a thread; the sockets stay on this one.
+            client.use(await asyncio.to_thread(client.resolve))
+        elif message == announced:
+            await asyncio.sleep(tick)
+            continue
+        client.send(seal(cfg, message))  # never waits: a full queue drops it for that replica
+        announced = message
+        await asyncio.sleep(tick)
 
 
 async def start_announcing(
-    stack: contextlib.AsyncExitStack,
-    ctx: zmq.asyncio.Context,
-    cfg: WorkerConfig,
-    load: Callable[[], Load],
+    stack: contextlib.AsyncExitStack, cfg: WorkerConfig, load: Callable[[], Load]
 ) -> None:
-    sock = registry_socket(ctx, cfg)
-    stack.callback(sock.close, ANNOUNCE_LINGER_MS)
+    assert cfg.proxy is not None
+    # The registry's ROUTER sees this identity frame; stock vLLM uses its zmq_address.
+    client = FanOutClient(str(cfg.proxy), str(cfg.kv), announce_resolver(cfg.announce_interval_s))
+    stack.callback(client.close)  # after `leave`: it lingers to get out
 
-    async def leave() -> None:
+    def leave() -> None:
         if cfg.announce == "v1":
-            await send_frame(sock, announce_message(cfg, "leave", load()), LEAVE_SEND_TIMEOUT_S)
+            client.send(announce_message(cfg, "leave", load()))
 
-    stack.push_async_callback(leave)  # runs after the loop below is cancelled
+    stack.callback(leave)  # runs after the loop below is cancelled
     stack.push_async_callback(
-        cancel_task, asyncio.get_running_loop().create_task(announce_forever(cfg, sock, load))
+        cancel_task, asyncio.get_running_loop().create_task(announce_forever(cfg, client, load))
     )

@@ -69,7 +69,7 @@ async def run_worker(cfg: WorkerConfig) -> int:
         )
         stack.push_async_callback(cancel_task, loop.create_task(serving))
         if cfg.proxy is not None:
-            await start_announcing(stack, ctx, cfg, worker.load.announced)
+            await start_announcing(stack, cfg, worker.load.announced)
         print(
             f"fake-worker ready: role={cfg.role} http={cfg.http} kv={cfg.kv} model={cfg.model} "
             f"connector={cfg.connector} engine_id={worker.engine_id}",

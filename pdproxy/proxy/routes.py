@@ -16,6 +16,7 @@ from pydantic import BaseModel, ConfigDict, Field, ValidationError
 from starlette.exceptions import HTTPException as StarletteHTTPException
 
 from pdproxy.base.roles import Role
+from pdproxy.config import Settings
 from pdproxy.http.upstream import UpstreamError
 from pdproxy.ids import Address, AddressError, parse_address
 from pdproxy.metrics import CONTENT_TYPE
@@ -25,6 +26,15 @@ from pdproxy.proxy.credentials import Credentials
 from pdproxy.proxy.errors import error_body
 from pdproxy.proxy.failures import is_local
 from pdproxy.proxy.openapi import openapi_document
+from pdproxy.proxy.peers import (
+    FORWARDED_BY,
+    LOCAL,
+    PeerOutcome,
+    Peers,
+    replica_id,
+    report,
+    self_answer,
+)
 from pdproxy.proxy.state import AppState
 from pdproxy.registry.auth import address_allowed, parse_cidrs
 from pdproxy.registry.control import ControlUnavailable
@@ -117,16 +127,40 @@ def install_routes(
             return _error(409, f"not registered: {reply.refusal}")
         return _json({"registered": instance.name}, 201)
 
+    peers: list[Peers] = []  # built on the first admin call that needs it
+
+    def peers_of(settings: Settings) -> Peers | None:
+        if not settings.peers_dns:
+            return None
+        if not peers:
+            own = replica_id(settings.host, settings.port)
+            peers.append(Peers(settings.peers_dns, settings.port, own))
+        return peers[0]
+
     async def change(
         name: str, request: Request, operation: Operation, done: str, missing: str
     ) -> Response:
-        """Remove, drain or undrain one instance: {done: address}, or 404 saying `missing`."""
+        """Remove, drain or undrain one instance: {done: address}, or 404 saying `missing`.
+        With peers_dns, every replica is asked too and `replicas` says which applied it."""
         _require_admin(credentials, request)
         address = _address(name)
-        reply = await _apply(current_state(), ControlRequest(operation, address=address))
-        if not reply.done:
-            return _error(404, missing.format(address=address))
-        return _json({done: str(address)})
+        state = current_state()
+        group = peers_of(state.settings)
+        forwarded_by = request.headers.get(FORWARDED_BY)
+        if group is not None and forwarded_by == group.own_id:
+            return _json(self_answer())  # this replica fanned the call out and applied it
+        reply = await _apply(state, ControlRequest(operation, address=address))
+        why = None if reply.done else missing.format(address=address)
+        if group is None or forwarded_by is not None:  # a forwarded call goes no further
+            return _error(404, why) if why is not None else _json({done: str(address)})
+        local = PeerOutcome(LOCAL, reply.done, why)
+        headers = {"Authorization": request.headers.get("authorization", "")}
+        outcomes = await group.fan_out(
+            state.upstream, request.method, request.url.path, headers, local
+        )
+        if not any(outcome.applied for outcome in outcomes):
+            return _error(404, f"{why} (on no replica of {state.settings.peers_dns})")
+        return _json({done: str(address), "replicas": report(outcomes)})
 
     @api.delete("/v1/instances/{name}")
     async def deregister(name: str, request: Request) -> Response:

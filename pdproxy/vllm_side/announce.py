@@ -27,8 +27,8 @@ from pdproxy.ids import AddressError, parse_address
 from pdproxy.registry.messages import MAX_DTYPE_NAME, Geometry, known_fields
 from pdproxy.vllm_side.announcement import WorkerIdentity, context_length
 from pdproxy.vllm_side.announcer import DEFAULT_INTERVAL_S, Announcer, LoadSample
+from pdproxy.vllm_side.fanout import FanOutClient, announce_resolver
 from pdproxy.vllm_side.model_config import ModelConfigError, geometry_from_model_config
-from pdproxy.vllm_side.registry_client import RegistryClient
 from pdproxy.vllm_side.secret import SECRET_ENV, read_secret_file, secret_from_text
 from pdproxy.vllm_side.vllm_metrics import MetricsFormatError, load_from_metrics
 
@@ -118,7 +118,12 @@ def add_cli(commands: Any) -> None:
     parser.add_argument(
         "--zmq-address", required=True, help="the KV endpoint of TP rank 0, HOST:PORT"
     )
-    parser.add_argument("--registry", required=True, help="the pdproxy registry, HOST:PORT")
+    parser.add_argument(
+        "--registry",
+        required=True,
+        help="the pdproxy registry, HOST:PORT; a HOST that resolves to several addresses (a "
+        "headless Service) gets the announcements at each, looked up again every period",
+    )
     parser.add_argument("--model", help="the served model name")
     parser.add_argument("--connector", choices=CONNECTOR_KINDS, default="p2p_nccl")
     parser.add_argument("--model-config", type=Path, help="the model's config.json")
@@ -220,7 +225,7 @@ def run(args: argparse.Namespace) -> int:
     except ValueError as exc:
         print(f"pdproxy announce: {exc}", file=sys.stderr)
         return 2
-    client = RegistryClient(args.registry, identity=args.zmq_address)
+    client = FanOutClient(args.registry, args.zmq_address, announce_resolver(args.interval))
     announcer = Announcer(client, identity, _sampler(args), args.interval, secret=secret)
 
     def stop(signum: int, _frame: FrameType | None) -> None:

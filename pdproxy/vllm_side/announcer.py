@@ -1,26 +1,43 @@
 """Announce one worker to the registry every period, from a background thread.
 
-The thread never blocks on the registry (see RegistryClient) and every wait is bounded by the
+Every period the registry's name is looked up again and the whole announcement goes to every
+address it has (FanOutClient: each proxy replica keeps its own table). Between periods the load
+is sampled every LOAD_REPORT_S and announced as soon as it changed, so that every replica sees
+the legs the others placed within a second, not a period (stock vLLM's 3 s) later.
+
+The thread never blocks on the registry (see FanOutClient) and every wait is bounded by the
 period, so stopping takes at most one period plus the ZMQ linger.
 """
 
 from __future__ import annotations
 
 import logging
+import math
 import threading
 import time
 from collections.abc import Callable
 from dataclasses import replace
-from typing import Any
+from typing import Any, Protocol
 
 from pdproxy.registry.auth import new_nonce, signed
 from pdproxy.registry.messages import Load
 from pdproxy.vllm_side.announcement import WorkerIdentity, announce_message, leave_message
-from pdproxy.vllm_side.registry_client import RegistryClient
 
 log = logging.getLogger("pdproxy.vllm_side")
 
 DEFAULT_INTERVAL_S = 3.0  # what stock vLLM's P2pNcclEngine uses
+# A load that changed is announced at most this long after: replicas route on each other's legs.
+LOAD_REPORT_S = 1.0
+
+
+class RegistrySender(Protocol):
+    """Where announcements go: a FanOutClient (a stub in tests)."""
+
+    def refresh(self) -> None: ...
+
+    def send(self, message: dict[str, Any]) -> bool: ...
+
+    def close(self) -> None: ...
 
 
 class LoadSample:
@@ -37,11 +54,15 @@ class LoadSample:
         self.healthy = healthy
         self.max_model_len = max_model_len
 
+    def key(self) -> tuple[Load | None, bool, int | None]:
+        """What an announcement carries of the sample: equal keys, equal announcements."""
+        return (self.load, self.healthy, self.max_model_len)
+
 
 class Announcer:
     def __init__(
         self,
-        client: RegistryClient,
+        client: RegistrySender,
         identity: WorkerIdentity,
         sample: Callable[[], LoadSample],
         interval_s: float = DEFAULT_INTERVAL_S,
@@ -60,11 +81,16 @@ class Announcer:
         self._thread: threading.Thread | None = None
 
     def announce_once(self) -> bool:
+        return self._announce(self._take_sample())
+
+    def _take_sample(self) -> LoadSample:
         try:
-            sample = self._sample()
+            return self._sample()
         except Exception as exc:  # a failing load source must not silence the announcements
             log.warning("pdproxy announcer: load source failed: %r", exc)
-            sample = LoadSample(None, healthy=False)
+            return LoadSample(None, healthy=False)
+
+    def _announce(self, sample: LoadSample) -> bool:
         identity = self._identity
         if sample.max_model_len is not None:
             identity = replace(identity, max_model_len=sample.max_model_len)
@@ -76,11 +102,22 @@ class Announcer:
             return message
         return signed(message, self._secret, self._wall_clock(), new_nonce())
 
-    def run(self) -> None:
-        """Announce until stop(); then say goodbye."""
+    def run(self, clock: Callable[[], float] = time.monotonic) -> None:
+        """Announce until stop(); then say goodbye to every replica."""
+        tick = min(self._interval, LOAD_REPORT_S)
+        next_period = -math.inf
+        announced: tuple[Load | None, bool, int | None] | None = None
         while not self._stop.is_set():
-            self.announce_once()
-            self._stop.wait(self._interval)
+            sample = self._take_sample()
+            if clock() >= next_period:
+                next_period = clock() + self._interval
+                self._client.refresh()  # a new replica gets the whole announcement now
+                self._announce(sample)
+                announced = sample.key()
+            elif sample.key() != announced:
+                self._announce(sample)
+                announced = sample.key()
+            self._stop.wait(tick)
         self._client.send(self._seal(leave_message(self._identity)))
 
     def start(self) -> None:

@@ -7,8 +7,9 @@ vLLM's random suffix (pdproxy.vllm_side.kv_keys), so it needs no
 VLLM_DISABLE_REQUEST_ID_RANDOMIZATION. An untagged request is computed locally. The decisions
 are in kv_schedule (scheduler side, pure) and kv_worker (worker side, torch); this class only
 wires them to vLLM's connector API. It also:
-- announces its instance to the pdproxy registry (v1, with the geometry read from the real
-  VllmConfig and the load the scheduler shows it), and says goodbye on shutdown;
+- announces its instance to the pdproxy registry, at every address proxy_ip resolves to (v1,
+  with the geometry read from the real VllmConfig and the load the scheduler shows it), and
+  says goodbye on shutdown;
 - optionally records the engine-internal request ids, token counts and transfers
   (`record_path`), which is how the tests see what real vLLM did.
 
@@ -36,6 +37,7 @@ from pdproxy.vllm_side.announcement import TransferStat, WorkerIdentity, context
 from pdproxy.vllm_side.announcer import Announcer, LoadSample
 from pdproxy.vllm_side.connector_settings import ConnectorSettings, connector_settings
 from pdproxy.vllm_side.cpu_format import cpu_isa, format_for_isa
+from pdproxy.vllm_side.fanout import FanOutClient, announce_resolver
 from pdproxy.vllm_side.kv import CacheFormat
 from pdproxy.vllm_side.kv_buffer import TransferBuffer
 from pdproxy.vllm_side.kv_keys import transfer_key
@@ -49,7 +51,6 @@ from pdproxy.vllm_side.kv_schedule import (
 from pdproxy.vllm_side.kv_tcp import TcpReceiver, TcpSender
 from pdproxy.vllm_side.kv_worker import ConsumerWorker, ProducerWorker, TransferRecord
 from pdproxy.vllm_side.load_tracker import LoadTracker
-from pdproxy.vllm_side.registry_client import RegistryClient
 from pdproxy.vllm_side.request_log import RequestLog
 from pdproxy.vllm_side.secret import read_secret_file
 from pdproxy.vllm_side.stats_reporter import StatsReporter
@@ -124,7 +125,10 @@ class PdproxyConnector(KVConnectorBase_V1):  # type: ignore[misc]
         secret_file = settings.registry_secret_file
         # Read before anything connects: a missing or short secret fails the engine's start.
         secret = None if secret_file is None else read_secret_file(secret_file)
-        client = RegistryClient(settings.registry, identity=settings.zmq_address)
+        # proxy_ip may name every proxy replica (a headless Service): announce to each.
+        client = FanOutClient(
+            settings.registry, settings.zmq_address, announce_resolver(settings.announce_interval_s)
+        )
         announcer = Announcer(
             client, identity, self._sample, settings.announce_interval_s, secret=secret
         )

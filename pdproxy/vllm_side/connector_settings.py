@@ -2,8 +2,9 @@
 
 The keys are the ones P2pNcclConnector read (kv_role, kv_port and, in kv_connector_extra_config,
 proxy_ip, proxy_port, http_port), so switching a deployment to pdproxy's connector changes only
-the connector's name and module. vLLM 0.32 dropped the top-level kv_ip; where it still exists it
-is honoured. pdproxy's own extra keys:
+the connector's name and module; proxy_ip may be a DNS name, and then every address it
+resolves to (each proxy replica behind a headless Service) gets the announcements. vLLM 0.32
+dropped the top-level kv_ip; where it still exists it is honoured. pdproxy's own extra keys:
 
 - advertise_host (or kv_ip): the address peers and the proxy reach this instance at (default:
   kv_ip, else this host's address as vLLM itself finds it);

@@ -19,15 +19,22 @@ SEND_QUEUE = 4
 LINGER_MS = 500  # long enough for a final "leave" to get out, short enough to exit promptly
 
 
+def registry_socket(context: zmq.Context[Any], endpoint: str, identity: str) -> zmq.Socket[Any]:
+    """A DEALER connected to `endpoint` ("tcp://..."): a tiny send queue, a short linger."""
+    sock: zmq.Socket[Any] = context.socket(zmq.DEALER)
+    # The registry's ROUTER sees this as the identity frame, as with stock vLLM.
+    sock.setsockopt(zmq.IDENTITY, identity.encode())
+    sock.setsockopt(zmq.SNDHWM, SEND_QUEUE)
+    sock.setsockopt(zmq.LINGER, LINGER_MS)
+    sock.setsockopt(zmq.IPV6, 1)  # an AAAA address, or a name ZMQ resolves to one
+    sock.connect(endpoint)
+    return sock
+
+
 class RegistryClient:
     def __init__(self, registry_address: str, identity: str) -> None:
-        self._context = zmq.Context()
-        self._socket = self._context.socket(zmq.DEALER)
-        # The registry's ROUTER sees this as the identity frame, as with stock vLLM.
-        self._socket.setsockopt(zmq.IDENTITY, identity.encode())
-        self._socket.setsockopt(zmq.SNDHWM, SEND_QUEUE)
-        self._socket.setsockopt(zmq.LINGER, LINGER_MS)
-        self._socket.connect(f"tcp://{registry_address}")
+        self._context: zmq.Context[Any] = zmq.Context()
+        self._socket = registry_socket(self._context, f"tcp://{registry_address}", identity)
         self._registry = registry_address
 
     def send(self, message: dict[str, Any]) -> bool:

@@ -120,6 +120,7 @@ SAMPLES: dict[str, tuple[str, Any]] = {
     "open_paths": ("/health", ["/health"]),
     "admin_token": ("admin-token-1", "admin-token-1"),
     "admin_token_file": ("/etc/pdproxy/admin", Path("/etc/pdproxy/admin")),
+    "peers_dns": ("pdproxy-peers.ns.svc", "pdproxy-peers.ns.svc"),
 }
 
 

@@ -1109,3 +1109,22 @@ def test_prefix_affinity_through_the_planner_balances_prefill_work() -> None:
     assert works.count(300) == len(held[HOT]) >= 2
     assert loads[walk(prefills, HOT)[0]] == max(loads)
     assert max(loads) > min(loads) + 300
+
+
+def test_prefix_affinity_depends_only_on_the_instance_set() -> None:
+    # Replicas route alike: each builds its candidates from its own table, whose order follows
+    # the order announcements arrived in, and places its own legs. With the same instances and
+    # no legs, every order, every fresh policy and any ticket send a prefix to the same one.
+    fleet = [p(n) for n in range(12)]
+    expected = {}
+    for key in keys(300):
+        expected[key] = PrefixAffinity().choose(cands(tuple(fleet)), req(key), 0).http_address
+    assert len(set(expected.values())) == 12  # the keys reach every instance
+    rng = random.Random(3)
+    for trial in range(5):
+        order = fleet[:]
+        rng.shuffle(order)
+        policy = PrefixAffinity()  # another replica: its own ring cache
+        for key, owner in expected.items():
+            chosen = policy.choose(cands(tuple(order)), req(key), trial * 1000 + key % 97)
+            assert chosen.http_address == owner

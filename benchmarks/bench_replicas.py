@@ -1,0 +1,113 @@
+"""Replicas route alike: 3 proxy replicas sharing the traffic against 1, same fleet, same load.
+
+The fleet simulator (fleet_sim.py) with pdproxy's default policies (prefix_affinity / least_kv):
+one planner gets every request, or three planners (replicas, each with only its own legs in
+flight) get every third, as an L4 balancer deals them; every worker announces its load to all
+of them at most 1 s after it changed (pdproxy.vllm_side.announcer, LOAD_REPORT_S), so the load
+reports are drawn 0.5-1 s apart. Load: 80% of the fleet's capacity (round robin's saturation
+throughput, as bench_pairing.py measures it). Goal (issue 23): TTFT p99 of 3 replicas within
+1.2x of one replica's, prefix-hit rate within 5 points.
+
+    .venv/bin/python benchmarks/bench_replicas.py            # 3 seeds x 10,000 requests (~2 min)
+    .venv/bin/python benchmarks/bench_replicas.py --quick    # 1 seed x 3,000 requests
+"""
+
+from __future__ import annotations
+
+import argparse
+import sys
+from collections.abc import Sequence
+
+from bench_pairing import (
+    DEFAULTS,
+    GOAL_LOAD,
+    WARMUP_LOAD,
+    PolicyPair,
+    Row,
+    Scenario,
+    saturation_rps,
+    summarize,
+)
+from fleet_sim import FleetSim, FleetSpec, RunResult
+from workload import WorkloadSpec, build_workload
+
+TTFT_RATIO_GOAL = 1.2
+HIT_RATE_POINTS_GOAL = 0.05
+REPORT_PERIOD_S = (0.5, 1.0)
+
+
+def simulate(scenario: Scenario, replicas: int, rate: float, capacity: float, k: int) -> RunResult:
+    policy = PolicyPair(*DEFAULTS)
+    workload = scenario.workloads[k]
+    planners = [policy.planner(scenario.spec.decode_kv_tokens) for _ in range(replicas)]
+    sim = FleetSim(
+        scenario.spec,
+        planners,
+        workload.requests,
+        rate,
+        seed=k,
+        model=workload.spec.model,
+        warmup=scenario.warmup,
+        warmup_rate=WARMUP_LOAD * capacity,
+    )
+    return sim.run()
+
+
+def compare(scenario: Scenario, load: float) -> tuple[float, list[Row]]:
+    capacity = saturation_rps(scenario)
+    rate = load * capacity
+    rows = []
+    for replicas in (1, 3):
+        results = [
+            simulate(scenario, replicas, rate, capacity, k) for k in range(len(scenario.workloads))
+        ]
+        label = f"{replicas} replica{'s' if replicas > 1 else ''}"
+        rows.append(summarize(label, " / ".join(DEFAULTS), load, rate, results))
+    return capacity, rows
+
+
+def table(rows: Sequence[Row]) -> str:
+    lines = [
+        "| proxies | TTFT p50 (ms) | TTFT p99 (ms) | throughput (req/s) | prefix-hit rate |",
+        "|---|---:|---:|---:|---:|",
+    ]
+    for r in rows:
+        lines.append(
+            f"| {r.variant} | {r.ttft_p50_ms:,.0f} | {r.ttft_p99_ms:,.0f} "
+            f"| {r.throughput_rps:.1f} | {r.hit_rate:.1%} |"
+        )
+    return "\n".join(lines)
+
+
+def main(argv: list[str] | None = None) -> int:
+    parser = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
+    parser.add_argument("--quick", action="store_true", help="1 seed x 3,000 requests")
+    parser.add_argument("--seed", type=int, default=1, help="first seed")
+    parser.add_argument("--load", type=float, default=GOAL_LOAD, help="fraction of capacity")
+    args = parser.parse_args(argv)
+    requests, warmup, seeds = (3_000, 500, 1) if args.quick else (10_000, 1_000, 3)
+    spec = FleetSpec(report_period_s=REPORT_PERIOD_S)
+    workloads = tuple(build_workload(WorkloadSpec(), requests, args.seed + k) for k in range(seeds))
+    scenario = Scenario(spec, workloads, warmup)
+    capacity, (one, three) = compare(scenario, args.load)
+    print(
+        f"{spec.prefills} P + {spec.decodes} D, capacity {capacity:.1f} req/s, load "
+        f"{args.load:.0%} ({args.load * capacity:.1f} req/s), {seeds} seed(s) x {requests:,} "
+        f"requests ({warmup:,} warm-up), load reports {REPORT_PERIOD_S[0]}-{REPORT_PERIOD_S[1]} s "
+        "apart\n"
+    )
+    print(table([one, three]))
+    ratio = three.ttft_p99_ms / one.ttft_p99_ms
+    points = abs(three.hit_rate - one.hit_rate)
+    ttft_ok = ratio <= TTFT_RATIO_GOAL
+    hit_ok = points <= HIT_RATE_POINTS_GOAL
+    print(
+        f"\nTTFT p99 3 replicas / 1: {ratio:.2f}x (goal <= {TTFT_RATIO_GOAL}x: "
+        f"{'met' if ttft_ok else 'MISSED'}); prefix-hit rate difference {points * 100:.1f} points "
+        f"(goal <= {HIT_RATE_POINTS_GOAL * 100:.0f}: {'met' if hit_ok else 'MISSED'})"
+    )
+    return 0 if ttft_ok and hit_ok else 1
+
+
+if __name__ == "__main__":
+    sys.exit(main())
