@@ -15,10 +15,11 @@ import msgpack
 import zmq
 import zmq.asyncio
 
+from pdproxy.base.roles import Role
 from pdproxy.fake_vllm.asyncio_helpers import cancel_task
 from pdproxy.fake_vllm.config import WorkerConfig
 from pdproxy.registry.auth import new_nonce, signed
-from pdproxy.registry.messages import Geometry, Load
+from pdproxy.registry.messages import Geometry, KvCoordinates, Load
 from pdproxy.vllm_side.announcement import WorkerIdentity, leave_message, v0_message
 from pdproxy.vllm_side.announcement import announce_message as worker_announce_message
 
@@ -38,6 +39,7 @@ def announce_message(cfg: WorkerConfig, op: str, load: Load) -> dict[str, Any]:
         connector=cfg.connector,
         geometry=Geometry(**asdict(cfg.geometry)),
         max_model_len=cfg.max_model_len,
+        coordinates=_coordinates(cfg),
     )
     if cfg.announce == "v0":
         return v0_message(identity)  # byte-for-byte what stock vLLM's P2pNcclEngine sends
@@ -45,6 +47,13 @@ def announce_message(cfg: WorkerConfig, op: str, load: Load) -> dict[str, Any]:
     if cfg.registry_secret is not None:
         return signed(message, cfg.registry_secret, time.time(), new_nonce())
     return message
+
+
+def _coordinates(cfg: WorkerConfig) -> KvCoordinates | None:
+    # A mooncake prefill serves its bootstrap /query on its own HTTP port.
+    if cfg.connector == "mooncake" and cfg.role is Role.PREFILL:
+        return KvCoordinates(bootstrap=cfg.http)
+    return None
 
 
 async def send_frame(sock: zmq.asyncio.Socket, message: dict[str, Any], timeout_s: float) -> bool:
