@@ -28,20 +28,32 @@ from pydantic import (
 from pdproxy.ids import Address, AddressError, parse_address
 from pdproxy.pairing.policies import DecodePolicyName, PrefillPolicyName
 from pdproxy.registry.auth import MIN_SECRET_BYTES, AuthConfigError, parse_cidrs
-from pdproxy.registry.messages import MAX_MODEL_LEN, Connector
+from pdproxy.registry.messages import (
+    MAX_ENGINE_ID,
+    MAX_MODEL_LEN,
+    Connector,
+    KvCoordinates,
+    missing_coordinates,
+)
 
 ENV_PREFIX = "PDPROXY_"
 MiB = 1024 * 1024
 
 
 _INSTANCE_KEYS = ("http", "zmq", "model", "max_model_len")
-_INSTANCE_SYNTAX = "http=HOST:PORT,zmq=HOST:PORT[,model=NAME][,max_model_len=N]"
+# A prefill's connector coordinates (mooncake: bootstrap; nixl_push: engine_id, side_channel).
+_COORDINATE_KEYS = ("connector", "bootstrap", "engine_id", "side_channel")
+_INSTANCE_SYNTAX = (
+    "http=HOST:PORT,zmq=HOST:PORT[,model=NAME][,max_model_len=N][,connector=KIND]"
+    "[,bootstrap=HOST:PORT][,engine_id=ID][,side_channel=HOST:PORT]"
+)
 
 
 class StaticInstance(BaseModel):
     """An instance the operator configured; it never expires.
 
-    Written on the command line as `http=HOST:PORT,zmq=HOST:PORT[,model=NAME][,max_model_len=N]`.
+    Written on the command line as `http=HOST:PORT,zmq=HOST:PORT[,model=NAME][,KEY=VALUE...]`
+    (the keys: _INSTANCE_SYNTAX).
     """
 
     model_config = ConfigDict(frozen=True, extra="forbid")
@@ -52,6 +64,11 @@ class StaticInstance(BaseModel):
     # The context length the instance runs its model with (vLLM's --max-model-len): with it,
     # the proxy refuses requests for more output tokens itself, before any prefill.
     max_model_len: int | None = Field(None, ge=1, le=MAX_MODEL_LEN)
+    connector: Connector | None = None
+    # Where a mooncake or nixl_push prefill's connector is reached (as it would announce).
+    bootstrap: str | None = None
+    engine_id: str | None = Field(None, min_length=1, max_length=MAX_ENGINE_ID)
+    side_channel: str | None = None
 
     @model_validator(mode="before")
     @classmethod
@@ -61,19 +78,37 @@ class StaticInstance(BaseModel):
         fields: dict[str, str] = {}
         for part in value.split(","):
             key, sep, item = part.strip().partition("=")
-            if not sep or key not in _INSTANCE_KEYS or key in fields:
+            known = key in _INSTANCE_KEYS or key in _COORDINATE_KEYS
+            if not sep or not known or key in fields:
                 raise ValueError(f"bad instance {value!r}: expected {_INSTANCE_SYNTAX}")
             fields[key] = item
         return fields
 
     @model_validator(mode="after")
     def _addresses_valid(self) -> StaticInstance:
-        for key in ("http", "zmq"):
+        for key in ("http", "zmq", "bootstrap", "side_channel"):
+            text = getattr(self, key)
+            if text is None:
+                continue
             try:
-                parse_address(getattr(self, key))
+                parse_address(text)
             except AddressError as exc:
                 raise ValueError(f"{key} address: {exc}") from None
         return self
+
+    @property
+    def coordinates(self) -> KvCoordinates | None:
+        if self.bootstrap is None and self.engine_id is None and self.side_channel is None:
+            return None
+        return KvCoordinates(
+            bootstrap=None if self.bootstrap is None else parse_address(self.bootstrap),
+            engine_id=self.engine_id,
+            side_channel=None if self.side_channel is None else parse_address(self.side_channel),
+        )
+
+    def missing_prefill_coordinates(self) -> str:
+        """What this instance lacks to be a routable prefill of its connector ("" if none)."""
+        return missing_coordinates(self.connector, self.coordinates)
 
     @property
     def http_address(self) -> Address:
@@ -248,12 +283,21 @@ class Settings(BaseModel):
         "can compute them itself (nixl or pdproxy connector), with no prefill leg; 0: never.",
     )
     concurrent_decode_connectors: list[Connector] = Field(
-        default_factory=lambda: [Connector.PDPROXY],
-        description="Connector kinds (p2p_nccl, pdproxy; repeatable, or comma-separated) whose "
-        "pairs get the decode leg at the same time as the prefill leg instead of after its "
-        "answer: saves the decode leg's way in from the time to first token. Only for "
-        "connectors that load KV asynchronously (pdproxy): p2p_nccl's decode blocks its forward "
-        "pass until the KV arrived; nixl is refused (its decode needs the prefill's answer).",
+        default_factory=lambda: [Connector.PDPROXY, Connector.MOONCAKE, Connector.NIXL_PUSH],
+        description="Connector kinds (p2p_nccl, pdproxy, mooncake, nixl_push; repeatable, or "
+        "comma-separated) whose pairs get the decode leg at the same time as the prefill leg "
+        "instead of after its answer: saves the decode leg's way in from the time to first "
+        "token. Only for connectors that load KV asynchronously (pdproxy, mooncake, nixl_push): "
+        "p2p_nccl's decode blocks its forward pass until the KV arrived; nixl is refused (its "
+        "decode needs the prefill's answer).",
+    )
+    bootstrap_query_timeout: float = Field(
+        5.0,
+        gt=0,
+        le=600,
+        description="Seconds a mooncake prefill's bootstrap server may take to answer /query "
+        "(its engine id, asked once per prefill and cached); past it the prefill counts as "
+        "failed (bootstrap_query) and the request is retried.",
     )
     max_attempts: int = Field(
         3,
@@ -428,6 +472,19 @@ class Settings(BaseModel):
         ):
             if getattr(self, name) <= self.connect_timeout:
                 raise ValueError(f"{name} must be longer than connect_timeout")
+        return self
+
+    @model_validator(mode="after")
+    def _static_prefills_reachable(self) -> Settings:
+        # A mooncake/nixl_push decode leg names its prefill's connector: without its
+        # coordinates no request could be routed to that prefill.
+        for spec in self.prefill:
+            missing = spec.missing_prefill_coordinates()
+            if missing:
+                assert spec.connector is not None
+                raise ValueError(
+                    f"static prefill {spec.http}: a {spec.connector.value} prefill needs {missing}"
+                )
         return self
 
     @model_validator(mode="after")

@@ -15,10 +15,11 @@ from collections.abc import Callable
 from dataclasses import asdict
 from typing import Any
 
+from pdproxy.base.roles import Role
 from pdproxy.fake_vllm.asyncio_helpers import cancel_task
 from pdproxy.fake_vllm.config import WorkerConfig
 from pdproxy.registry.auth import new_nonce, signed
-from pdproxy.registry.messages import Geometry, Load
+from pdproxy.registry.messages import Geometry, KvCoordinates, Load
 from pdproxy.vllm_side.announcement import WorkerIdentity, leave_message, v0_message
 from pdproxy.vllm_side.announcement import announce_message as worker_announce_message
 from pdproxy.vllm_side.announcer import LOAD_REPORT_S
@@ -36,6 +37,7 @@ def unsigned_message(cfg: WorkerConfig, op: str, load: Load) -> dict[str, Any]:
         connector=cfg.connector,
         geometry=Geometry(**asdict(cfg.geometry)),
         max_model_len=cfg.max_model_len,
+        coordinates=_coordinates(cfg),
     )
     if cfg.announce == "v0":
         return v0_message(identity)  # byte-for-byte what stock vLLM's P2pNcclEngine sends
@@ -51,6 +53,13 @@ def seal(cfg: WorkerConfig, message: dict[str, Any]) -> dict[str, Any]:
 
 def announce_message(cfg: WorkerConfig, op: str, load: Load) -> dict[str, Any]:
     return seal(cfg, unsigned_message(cfg, op, load))
+
+
+def _coordinates(cfg: WorkerConfig) -> KvCoordinates | None:
+    # A mooncake prefill serves its bootstrap /query on its own HTTP port.
+    if cfg.connector == "mooncake" and cfg.role is Role.PREFILL:
+        return KvCoordinates(bootstrap=cfg.http)
+    return None
 
 
 async def announce_forever(

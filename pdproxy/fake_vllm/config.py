@@ -8,12 +8,13 @@ from typing import Literal
 from pdproxy.base.roles import Role
 from pdproxy.ids import Address
 
-ConnectorKind = Literal["p2p_nccl", "nixl", "pdproxy"]
-CONNECTOR_KINDS: tuple[ConnectorKind, ...] = ("p2p_nccl", "nixl", "pdproxy")
+ConnectorKind = Literal["p2p_nccl", "nixl", "pdproxy", "mooncake"]
+CONNECTOR_KINDS: tuple[ConnectorKind, ...] = ("p2p_nccl", "nixl", "pdproxy", "mooncake")
 # Connectors whose decode reads the KV from the prefill named in kv_transfer_params (vLLM's NIXL
 # flow). p2p_nccl and pdproxy's own connector push to the decode named in the request id
 # (pdproxy with nixl's geometry rules, keyed by the tag's uuid).
-PULL_CONNECTORS: frozenset[str] = frozenset({"nixl"})
+# mooncake: the same, with the proxy's transfer id and the prefill's bootstrap server.
+PULL_CONNECTORS: frozenset[str] = frozenset({"nixl", "mooncake"})
 DEFAULT_HTTP_BACKLOG = 2048
 
 

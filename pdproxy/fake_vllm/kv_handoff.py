@@ -1,7 +1,8 @@
 """What happens before a request's first token: compute the prompt, or hand its KV over.
 
 The connector picks the flow. p2p_nccl: the request id's tag decides (kv_push_flow). nixl and
-pdproxy: kv_transfer_params decide and the tag is only a label (kv_pull_flow). A decode asked
+pdproxy: kv_transfer_params decide and the tag is only a label (kv_pull_flow); mooncake too,
+with the proxy's transfer id and the prefill's bootstrap server (kv_mooncake). A decode asked
 for no KV computes the prompt itself (conditional disaggregation: short prompts skip the
 prefill) and says so with a computed_locally event.
 """
@@ -80,14 +81,20 @@ class KvHandoff:
                     request_id, "wrong_role", "asked to decode (do_remote_prefill) on a prefill"
                 )
             await sleep(self.cfg.prefill_latency_s)
-            if asked == "remote_decode":
+            if asked == "remote_decode" and self.cfg.connector == "mooncake":
+                assert params is not None
+                self.pull.hold_mooncake(request_id, params, generation)
+            elif asked == "remote_decode":
                 return self.pull.hold(request_id, header_id, generation)
             return None
         if asked == "remote_decode":
             raise self._failure(
                 request_id, "wrong_role", "asked to prefill (do_remote_decode) on a decode"
             )
-        if asked == "remote_prefill":
+        if asked == "remote_prefill" and self.cfg.connector == "mooncake":
+            assert params is not None
+            await self.pull.read_mooncake(request_id, params, generation)
+        elif asked == "remote_prefill":
             assert params is not None
             await self.pull.read(request_id, params, generation)
         else:

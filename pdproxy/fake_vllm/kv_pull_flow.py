@@ -20,6 +20,13 @@ from pdproxy.fake_vllm.generation import Generation
 from pdproxy.fake_vllm.http_json import ApiError
 from pdproxy.fake_vllm.kv_accept import accept, kv_failure
 from pdproxy.fake_vllm.kv_held import HeldTransfers
+from pdproxy.fake_vllm.kv_mooncake import (
+    BootstrapUnusable,
+    Deadline,
+    locate,
+    pause,
+    transfer_id,
+)
 from pdproxy.fake_vllm.kv_params import (
     ParamsError,
     RemotePrefill,
@@ -74,21 +81,66 @@ class PullFlow:
             self.held.engine_id, transfer_id, held.block_ids, self.cfg.kv, self.cfg.geometry.tp_size
         )
 
+    def hold_mooncake(
+        self, request_id: str, params: dict[str, Any], generation: Generation
+    ) -> None:
+        """P (mooncake): keep the request's KV under the proxy's transfer id; nothing to answer."""
+        try:
+            transfer = transfer_id(params)
+        except ParamsError as err:
+            raise self._bad_params(request_id, err) from None
+        payload = compute_payload(self.cfg, generation)
+        # No block ids: a mooncake decode names the transfer, not the prefill's blocks.
+        self.held.hold(transfer, payload, 0, self.stats.key(request_id, generation))
+        self.records.add(
+            "kv_held", {"request_id": request_id, "transfer_id": transfer, "blocks": 0, **stamp()}
+        )
+
     async def read(self, request_id: str, params: dict[str, Any], generation: Generation) -> None:
         """D: read the KV the prefill holds for this request; raises a 500 unless usable."""
         try:
             remote = remote_prefill(params)
         except ParamsError as err:
+            raise self._bad_params(request_id, err) from None
+        await self._read(request_id, remote, generation, wait_for_hold=False)
+
+    async def read_mooncake(
+        self, request_id: str, params: dict[str, Any], generation: Generation
+    ) -> None:
+        """D (mooncake): find the prefill's KV port through its bootstrap server, then pull the
+        transfer, waiting for the prefill to hold it (both legs may come at once)."""
+        try:
+            remote = await locate(params, self.cfg.kv_timeout_s)
+        except ParamsError as err:
+            raise self._bad_params(request_id, err) from None
+        except BootstrapUnusable as err:
             raise kv_failure(
                 self.records,
                 request_id,
-                "bad_params",
-                f"fake decode {self.cfg.kv}: unusable kv_transfer_params for request "
-                f"{request_id}: {err}",
+                err.reason,
+                f"fake decode {self.cfg.kv}: request {request_id}: {err}",
             ) from None
+        await self._read(request_id, remote, generation, wait_for_hold=True)
+
+    def _bad_params(self, request_id: str, err: ParamsError) -> Exception:
+        return kv_failure(
+            self.records,
+            request_id,
+            "bad_params",
+            f"fake {self.cfg.role} {self.cfg.kv}: unusable kv_transfer_params for request "
+            f"{request_id}: {err}",
+        )
+
+    async def _read(
+        self, request_id: str, remote: RemotePrefill, generation: Generation, wait_for_hold: bool
+    ) -> None:
         key = self.stats.key(request_id, generation)
         started = self.stats.clock()
         reply = await self._pull(request_id, remote, key, started)
+        deadline = Deadline(self.cfg.kv_timeout_s)
+        while wait_for_hold and reply.error == "missing_transfer" and deadline.left() > 0:
+            await pause(deadline)
+            reply = await self._pull(request_id, remote, key, started)
         peer = str(remote.kv)
         if reply.engine_id != remote.engine_id:
             self.stats.failed(key, peer, "engine_id_mismatch", 0, started)

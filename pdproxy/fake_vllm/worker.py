@@ -10,6 +10,7 @@ from typing import Any
 import zmq.asyncio
 from aiohttp import web
 
+from pdproxy.base.roles import Role
 from pdproxy.fake_vllm.asyncio_helpers import sleep
 from pdproxy.fake_vllm.config import WorkerConfig
 from pdproxy.fake_vllm.control import Control
@@ -17,6 +18,7 @@ from pdproxy.fake_vllm.generation import Generation, check_model, parse_generati
 from pdproxy.fake_vllm.http_json import ApiError, json_response, parse_json_object
 from pdproxy.fake_vllm.kv_handoff import KvHandoff
 from pdproxy.fake_vllm.kv_held import HeldTransfers
+from pdproxy.fake_vllm.kv_mooncake import query_answer
 from pdproxy.fake_vllm.kv_params import request_params
 from pdproxy.fake_vllm.kv_pull_flow import PullFlow
 from pdproxy.fake_vllm.kv_push_flow import PushFlow
@@ -61,6 +63,8 @@ class FakeWorker:
         app.router.add_post("/v1/chat/completions", self.chat_completions)
         app.router.add_get("/v1/models", self.models)
         app.router.add_get("/health", self.health)
+        if self.cfg.connector == "mooncake" and self.cfg.role is Role.PREFILL:
+            app.router.add_get("/query", self.bootstrap_query)  # its bootstrap server
         self.control.add_routes(app.router)
         return app
 
@@ -84,6 +88,9 @@ class FakeWorker:
 
     async def health(self, request: web.Request) -> web.StreamResponse:
         return web.Response(status=200)
+
+    async def bootstrap_query(self, request: web.Request) -> web.StreamResponse:
+        return json_response(query_answer(self.engine_id, str(self.cfg.kv)))
 
     async def _generate(self, request: web.Request, chat: bool) -> web.StreamResponse:
         header_id = request.headers.get("X-Request-Id")

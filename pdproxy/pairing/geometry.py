@@ -47,6 +47,14 @@ Each rule mirrors vLLM (files read: `vllm/distributed/kv_transfer/kv_connector/u
     `enable_permute_local_kv` escape hatch is not assumed), and must be HND when the TP sizes
     differ, unless the prefill side replicates heads ("Heterogeneous TP head-dimension
     splitting requires contiguous heads. Use HND layout on the prefill side.").
+- nixl_push (NixlPushConnector, `.../v1/nixl/push_worker.py`): the NIXL base worker's
+  handshake and topology (`add_remote_agent`, `TransferTopology`), so nixl's rules; the prefill
+  writes where the decode registered, `block_size_ratio` mapping the block ids.
+- mooncake (`.../v1/mooncake/mooncake_connector.py`): `_get_tp_ratio` asserts one TP divides
+  the other (heads re-sharded, replicated heads sent once: `_compute_sender_transfer_plan`);
+  block ids map one to one and `_validate_asymmetric_region_lengths` wants each region's bytes
+  per block to agree per head, so block sizes must be equal; layouts are not compared, the
+  connector sets LBHNC on both sides (`get_required_kvcache_layout`); MLA is replicated.
 - KV ports: rank r's KV endpoint is the instance's zmq_address port + r (DESIGN.md section 2;
   P2pNcclEngine binds `kv_port + port_offset`), on the announced host.
 - KV bytes per token per rank (DESIGN.md section 4): `2 x layers x heads_per_rank x head_dim x
@@ -68,6 +76,9 @@ from pdproxy.registry.messages import Connector, Geometry
 from pdproxy.registry.table import Instance
 
 MAX_PORT = 65535
+# Connectors whose decode leg names the prefill's connector (its bootstrap server or side
+# channel): a pair needs both sides to announce the kind, never one side alone.
+NAMES_ITS_PEER = frozenset((Connector.MOONCAKE, Connector.NIXL_PUSH))
 
 
 class KvLayout(StrEnum):
@@ -333,6 +344,13 @@ def plan_pair(prefill: Side, decode: Side, *, allow_unknown_geometry: bool = Fal
             f"connector {prefill.connector.value} vs {decode.connector.value}",
         )
     connector = prefill.connector if prefill.connector is not None else decode.connector
+    if connector in NAMES_ITS_PEER and (prefill.connector is None or decode.connector is None):
+        assert connector is not None
+        return Incompatible(
+            Mismatch.CONNECTOR,
+            f"only one side announced connector {connector.value}: its decode leg names the "
+            "prefill's connector, so both sides must run it",
+        )
     if prefill.model is not None and decode.model is not None and prefill.model != decode.model:
         return Incompatible(Mismatch.MODEL, f"model {prefill.model!r} vs {decode.model!r}")
 
@@ -393,8 +411,10 @@ def _check(p: KvGeometry, d: KvGeometry, connector: Connector | None) -> Incompa
         return Incompatible(Mismatch.HEADS, f"head_dim {p.head_dim} vs {d.head_dim}")
     if p.dtype != d.dtype:
         return Incompatible(Mismatch.DTYPE, f"kv dtype {p.kv_dtype} vs {d.kv_dtype}")
-    if connector is Connector.NIXL:
+    if connector is Connector.NIXL or connector is Connector.NIXL_PUSH:
         return _check_heterogeneous(p, d, connector.value)
+    if connector is Connector.MOONCAKE:
+        return _check_mooncake(p, d)
     if connector is Connector.PDPROXY:
         return _check_pdproxy(p, d)
     return _check_identical(p, d, "p2p_nccl")
@@ -415,6 +435,23 @@ def _check_pdproxy(p: KvGeometry, d: KvGeometry) -> Incompatible | None:
             f"decode block size {d.block_size} not a multiple of prefill's {p.block_size}",
         )
     return None
+
+
+def _check_mooncake(p: KvGeometry, d: KvGeometry) -> Incompatible | None:
+    try:
+        tp_ratio(p.tp_size, d.tp_size)
+    except ValueError:
+        return Incompatible(
+            Mismatch.TP,
+            f"tp {p.tp_size} vs tp {d.tp_size} (mooncake needs one tp to divide the other)",
+        )
+    if p.block_size != d.block_size:
+        # Block ids map one to one and a region's bytes per block must agree (per head).
+        return Incompatible(
+            Mismatch.BLOCK_SIZE,
+            f"block size {p.block_size} vs {d.block_size} (mooncake needs equal block sizes)",
+        )
+    return None  # layouts: the connector itself sets LBHNC on both sides
 
 
 def _check_identical(p: KvGeometry, d: KvGeometry, name: str) -> Incompatible | None:

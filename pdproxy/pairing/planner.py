@@ -39,7 +39,9 @@ DEFAULT_KV_CAPACITY_TOKENS = 262_144
 
 # Connectors whose decode side computes a prompt itself when no KV is announced for it, so a
 # short prompt may skip the prefill leg. Stock P2pNcclConnector consumers always wait for KV.
-LOCAL_COMPUTE = frozenset((Connector.NIXL, Connector.PDPROXY))
+LOCAL_COMPUTE = frozenset(
+    (Connector.NIXL, Connector.PDPROXY, Connector.MOONCAKE, Connector.NIXL_PUSH)
+)
 
 ClassKey = tuple[str | None, Connector | None, Geometry | None, bool]
 

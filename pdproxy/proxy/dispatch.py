@@ -16,24 +16,29 @@ import asyncio
 import logging
 import random
 import time
-from collections.abc import Callable
-from typing import Any
+from collections.abc import Awaitable, Callable
+from typing import Any, TypeVar
 
 from pdproxy.base.roles import Role
 from pdproxy.config import Settings
 from pdproxy.http.alarms import Alarms
 from pdproxy.http.deadline import Deadline
 from pdproxy.http.upstream import Reply, UpstreamClient
-from pdproxy.ids import build_request_id
+from pdproxy.ids import Address, build_request_id
 from pdproxy.metrics import DECODE_REFUSED, Metrics
 from pdproxy.pairing.features import RequestFeatures
+from pdproxy.proxy.bootstrap import BootstrapError, EngineIds
 from pdproxy.proxy.errors import ProxyError
 from pdproxy.proxy.exchange import ClientHeaders, Exchange
 from pdproxy.proxy.failures import LegFailed, classify
 from pdproxy.proxy.kv_params import (
     PARAMS_FIELD,
+    mooncake_decode_params,
+    mooncake_prefill_params,
+    nixl_push_decode_params,
     params_from_answer,
     prefill_leg_params,
+    prefill_params,
     uses_params,
 )
 from pdproxy.proxy.lease import LegLease, lease_direct, lease_pair
@@ -41,6 +46,7 @@ from pdproxy.proxy.prompt import request_features
 from pdproxy.proxy.request import CompletionRequest
 from pdproxy.proxy.rotation import Rotation
 from pdproxy.proxy.side_by_side import decode_beside_prefill
+from pdproxy.registry.messages import Connector
 from pdproxy.registry.table import Instance
 from pdproxy.reliability.backoff import RetryPolicy
 from pdproxy.reliability.failures import FailureKind
@@ -51,6 +57,7 @@ from pdproxy.tracing.spans import RequestTrace, Tracing
 log = logging.getLogger("pdproxy.dispatch")
 
 _ERROR_SNIPPET = 300
+_T = TypeVar("_T")
 
 
 def _random_uid() -> Callable[[], str]:
@@ -80,6 +87,9 @@ class Dispatcher:
         self._unit_random = unit_random
         self._decode_beside_prefill = frozenset(settings.concurrent_decode_connectors)
         self._loop = asyncio.get_running_loop()  # see CompletionsEndpoint: built in the lifespan
+        self._engine_ids = EngineIds(
+            upstream, settings.bootstrap_query_timeout, self._loop, settings.max_instances
+        )
         self._retry = RetryPolicy(
             settings.max_attempts,
             settings.retry_backoff_base_seconds,
@@ -186,16 +196,36 @@ class Dispatcher:
                 notes.error = "context_length"
                 await exchange.whole(400, b"application/json", refusal)
                 return
+            uid = self._new_uid()  # a new one per attempt: also mooncake's transfer id
             request_id = build_request_id(
-                prefill.instance.zmq_address, decode.instance.zmq_address, self._new_uid()
+                prefill.instance.zmq_address, decode.instance.zmq_address, uid
             )
             exchange.request_id = request_id
             headers = self.leg_headers(request_id, authorization)
-            leg_params = prefill_leg_params(lease.connector, decode.instance)
+            leg_params: dict[str, Any] | None
+            decode_params: dict[str, Any] | None
+            if lease.connector is Connector.MOONCAKE:
+                leg_params = mooncake_prefill_params(uid)
+                decode_params = await self._mooncake_decode_params(prefill, uid)
+            elif lease.connector is Connector.NIXL_PUSH:
+                leg_params = prefill_params()
+                decode_params = _nixl_push_decode_params(prefill.instance)
+            else:
+                leg_params = prefill_leg_params(lease.connector, decode.instance)
+                decode_params = None
             if lease.connector in self._decode_beside_prefill:
                 notes.concurrent = True
-                await self._both_legs(
-                    prefill, decode, request, headers, leg_params, exchange, trace
+                await self._forgetting_on_failure(
+                    prefill.instance,
+                    self._both_legs(
+                        prefill,
+                        decode,
+                        request,
+                        headers,
+                        (leg_params, decode_params),
+                        exchange,
+                        trace,
+                    ),
                 )
                 return
             with trace.leg(Role.PREFILL, prefill.instance.name) as span:
@@ -208,15 +238,42 @@ class Dispatcher:
                 prefill.succeeded()
                 await exchange.whole(answer.status, answer.content_type, answer.body)
                 return
-            params = self._kv_params(prefill, answer) if uses_params(lease.connector) else None
+            if uses_params(lease.connector):
+                decode_params = self._kv_params(prefill, answer)
             prefill.succeeded()
             with trace.leg(Role.DECODE, decode.instance.name) as span:
-                body = request.decode_body(params)
-                refused = await self._decode(
-                    decode, body, request, headers | span, exchange, exchange.task
+                body = request.decode_body(decode_params)
+                refused = await self._forgetting_on_failure(
+                    prefill.instance,
+                    self._decode(decode, body, request, headers | span, exchange, exchange.task),
                 )
             if refused:
                 self._metrics.kv_orphaned.labels(DECODE_REFUSED).inc()
+
+    async def _mooncake_decode_params(self, prefill: LegLease, uid: str) -> dict[str, Any]:
+        """The mooncake decode leg's params: the prefill's bootstrap address (announced or
+        declared: the registry refuses a mooncake prefill without one) and engine id."""
+        bootstrap = _bootstrap_of(prefill.instance)
+        assert bootstrap is not None  # the registry refuses a mooncake prefill without one
+        limit = self._settings.bootstrap_query_timeout
+        with prefill.watch("bootstrap /query answer", limit):
+            try:
+                engine_id = await self._engine_ids.engine_id(bootstrap)
+            except BootstrapError as exc:
+                raise prefill.failed(FailureKind.BOOTSTRAP_QUERY, str(exc)) from None
+        return mooncake_decode_params(uid, bootstrap, engine_id)
+
+    async def _forgetting_on_failure(self, prefill: Instance, legs: Awaitable[_T]) -> _T:
+        """`legs`' result; when they failed and `prefill` is a mooncake prefill, its cached
+        engine id is forgotten, so the next attempt asks its bootstrap server again (a
+        restarted prefill is another engine, and a decode given the old id cannot pull)."""
+        try:
+            return await legs
+        except LegFailed:
+            bootstrap = _bootstrap_of(prefill)
+            if bootstrap is not None:
+                self._engine_ids.forget(bootstrap)
+            raise
 
     async def _both_legs(
         self,
@@ -224,12 +281,14 @@ class Dispatcher:
         decode_leg: LegLease,
         request: CompletionRequest,
         headers: dict[str, str],
-        leg_params: dict[str, Any] | None,
+        params: tuple[dict[str, Any] | None, dict[str, Any] | None],
         exchange: Exchange,
         trace: RequestTrace,
     ) -> None:
         """Prefill and decode sent at once (proxy.side_by_side): for connectors whose decode
-        instance waits for the KV itself without holding its other requests."""
+        instance waits for the KV itself without holding its other requests. `params`: the
+        kv_transfer_params of the prefill leg and of the decode leg, if any."""
+        leg_params, decode_params = params
         prefilled = refused = False
 
         async def prefill() -> Reply:
@@ -254,7 +313,7 @@ class Dispatcher:
             with trace.leg(Role.DECODE, decode_leg.instance.name) as span:
                 refused = await self._decode(
                     decode_leg,
-                    request.decode_body(None),
+                    request.decode_body(decode_params),
                     request,
                     headers | span,
                     exchange,
@@ -399,6 +458,24 @@ class Dispatcher:
     def _first_byte(self, exchange: Exchange, started: float) -> None:
         exchange.notes.decode_first_byte_seconds = time.perf_counter() - started
         self._metrics.decode_first_byte_seen(exchange.notes.decode_first_byte_seconds)
+
+
+def _nixl_push_decode_params(prefill: Instance) -> dict[str, Any]:
+    coordinates = prefill.coordinates
+    # The registry refuses a nixl_push prefill without them.
+    assert coordinates is not None
+    assert coordinates.engine_id is not None and coordinates.side_channel is not None
+    geometry = prefill.geometry
+    tp_size = 1 if geometry is None or geometry.tp_size is None else geometry.tp_size
+    return nixl_push_decode_params(coordinates.engine_id, coordinates.side_channel, tp_size)
+
+
+def _bootstrap_of(prefill: Instance) -> Address | None:
+    """A mooncake prefill's bootstrap server (None: not a mooncake prefill)."""
+    coordinates = prefill.coordinates
+    if prefill.connector is not Connector.MOONCAKE or coordinates is None:
+        return None
+    return coordinates.bootstrap
 
 
 def _context_refusal(request: CompletionRequest, decode: Instance) -> bytes | None:

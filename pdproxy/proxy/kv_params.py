@@ -9,6 +9,14 @@ pdproxy's own connector pushes KV from the prefill to the decode named in the ta
 no answer back, but its prefill must know how the decode splits heads: the prefill leg tells it
 the decode's TP size (`{"pdproxy": {"decode_tp_size": N}}`; pdproxy.vllm_side.kv_schedule reads
 it). Clients may not send kv_transfer_params, so only the proxy's pairing decides this.
+
+Mooncake (vLLM's MooncakeConnector) needs no answer either: the proxy names the transfer
+itself (a fresh transfer id per attempt) in both legs, and tells the decode where the prefill's
+bootstrap server is and which engine it runs (the engine id the bootstrap server's /query
+answers: pdproxy.proxy.bootstrap), so both legs may go at once. NIXL push
+(NixlPushConnector) is the same handshake the other way round: the decode leg carries the
+prefill's engine id and NIXL side channel (announced, or declared statically) and registers its
+blocks there; the prefill writes the KV into them once computed.
 """
 
 from __future__ import annotations
@@ -17,6 +25,7 @@ from typing import Any
 
 import orjson
 
+from pdproxy.ids import Address
 from pdproxy.registry.messages import Connector
 from pdproxy.registry.table import Instance
 
@@ -47,6 +56,37 @@ def prefill_params() -> dict[str, Any]:
         "remote_block_ids": None,
         "remote_host": None,
         "remote_port": None,
+    }
+
+
+def mooncake_prefill_params(transfer_id: str) -> dict[str, Any]:
+    """The prefill leg's params: keep the KV for transfer `transfer_id`."""
+    return {"do_remote_decode": True, "do_remote_prefill": False, "transfer_id": transfer_id}
+
+
+def mooncake_decode_params(transfer_id: str, bootstrap: Address, engine_id: str) -> dict[str, Any]:
+    """The decode leg's params: pull transfer `transfer_id` from engine `engine_id`, whose
+    workers the bootstrap server at `bootstrap` names (vLLM asks it for "<addr>/query")."""
+    return {
+        "do_remote_prefill": True,
+        "do_remote_decode": False,
+        "transfer_id": transfer_id,
+        "remote_bootstrap_addr": f"http://{bootstrap}",
+        "remote_engine_id": engine_id,
+    }
+
+
+def nixl_push_decode_params(engine_id: str, side_channel: Address, tp_size: int) -> dict[str, Any]:
+    """NixlPushConnector's decode leg: register its blocks with this prefill engine, reached
+    at its NIXL side channel, which then writes the KV into them (vLLM matches the two legs by
+    their request id, which pdproxy sends alike on both)."""
+    return {
+        "do_remote_prefill": True,
+        "do_remote_decode": False,
+        "remote_engine_id": engine_id,
+        "remote_host": side_channel.host,
+        "remote_port": side_channel.port,
+        "tp_size": tp_size,
     }
 
 

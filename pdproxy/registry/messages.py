@@ -27,8 +27,10 @@ from pdproxy.ids import Address, AddressError, parse_address
 
 class Connector(StrEnum):
     P2P_NCCL = "p2p_nccl"
-    NIXL = "nixl"
+    NIXL = "nixl"  # vLLM's NixlConnector (= NixlPullConnector): the decode reads the KV
     PDPROXY = "pdproxy"
+    MOONCAKE = "mooncake"  # vLLM's MooncakeConnector: the decode asks the prefill's bootstrap
+    NIXL_PUSH = "nixl_push"  # vLLM's NixlPushConnector: the prefill writes into the decode
 
 
 class Reason(StrEnum):
@@ -103,6 +105,35 @@ class Load:
 
 
 @dataclass(frozen=True, slots=True)
+class KvCoordinates:
+    """Where a prefill's connector is reached, for the flows whose decode leg must name it
+    before the prefill answered: mooncake's bootstrap server (VLLM_MOONCAKE_BOOTSTRAP_PORT),
+    and NIXL push's engine id and side channel (VLLM_NIXL_SIDE_CHANNEL_HOST/PORT)."""
+
+    bootstrap: Address | None = None
+    engine_id: str | None = None
+    side_channel: Address | None = None
+
+
+# What a prefill of each kind must announce (or declare) for its flow to be routable.
+REQUIRED_COORDINATES: Mapping[Connector, tuple[str, ...]] = MappingProxyType(
+    {
+        Connector.MOONCAKE: ("bootstrap",),
+        Connector.NIXL_PUSH: ("engine_id", "side_channel"),
+    }
+)
+
+
+def missing_coordinates(connector: Connector | None, coordinates: KvCoordinates | None) -> str:
+    """The coordinates a prefill of `connector` lacks, comma-separated ("" if none)."""
+    wanted = REQUIRED_COORDINATES.get(connector) if connector is not None else None
+    if not wanted:
+        return ""
+    have = coordinates or KvCoordinates()
+    return ", ".join(name for name in wanted if getattr(have, name) is None)
+
+
+@dataclass(frozen=True, slots=True)
 class Announcement:
     version: int  # 0 (stock vLLM) or 1 (pdproxy)
     role: Role
@@ -116,6 +147,7 @@ class Announcement:
     healthy: bool = True
     # The model's context length as the instance runs it (vLLM's max_model_len), if told.
     max_model_len: int | None = None
+    coordinates: KvCoordinates | None = None  # mooncake and nixl_push prefills
 
 
 @dataclass(frozen=True, slots=True)
@@ -167,6 +199,7 @@ GEOMETRY_LIMITS: Mapping[str, int] = MappingProxyType(
 )
 _KV_LAYOUTS = ("NHD", "HND")
 MAX_DTYPE_NAME = 32
+MAX_ENGINE_ID = 128  # vLLM's are uuid4 strings
 # The "stats" op: at most this many transfers per message (a rank batches its reports), and
 # per transfer counts at most 2**53, exact as a float (a metric's value).
 MAX_TRANSFERS = 256
@@ -230,17 +263,27 @@ def _announcement(payload: dict[Any, Any], version: int) -> Announcement:
     zmq_address = _address(payload, "zmq_address")
     if version == 0:
         return Announcement(0, role, http_address, zmq_address)
+    connector = _connector(payload.get("connector"))
+    coordinates = _coordinates(payload.get("kv_coordinates"))
+    missing = missing_coordinates(connector, coordinates) if role is Role.PREFILL else ""
+    if missing:
+        assert connector is not None
+        raise Rejected(
+            Reason.MISSING_FIELD,
+            f"a {connector.value} prefill must announce kv_coordinates {missing}",
+        )
     return Announcement(
         version=1,
         role=role,
         http_address=http_address,
         zmq_address=zmq_address,
         model=_model(payload.get("model")),
-        connector=_connector(payload.get("connector")),
+        connector=connector,
         geometry=_geometry(payload.get("geometry")),
         load=_load(payload.get("load")),
         healthy=_healthy(payload.get("healthy", True)),
         max_model_len=_max_model_len(payload.get("max_model_len")),
+        coordinates=coordinates,
     )
 
 
@@ -286,6 +329,29 @@ def _connector(value: object) -> Connector | None:
         return Connector(value)
     except ValueError:
         raise Rejected(Reason.UNKNOWN_CONNECTOR, f"unknown connector {_short(value)}") from None
+
+
+def _coordinates(value: object) -> KvCoordinates | None:
+    if value is None:
+        return None
+    if not isinstance(value, dict):
+        raise Rejected(Reason.WRONG_TYPE, "'kv_coordinates' must be a map")
+    addresses: dict[str, Address] = {}
+    for key in ("bootstrap", "side_channel"):
+        if value.get(key) is not None:
+            addresses[key] = _address(value, key)
+    engine_id = value.get("engine_id")
+    if engine_id is not None and (
+        not isinstance(engine_id, str)
+        or not engine_id
+        or len(engine_id) > MAX_ENGINE_ID
+        or not engine_id.isprintable()
+    ):
+        raise Rejected(
+            Reason.WRONG_TYPE,
+            f"kv_coordinates.engine_id must be a printable string of 1..{MAX_ENGINE_ID} chars",
+        )
+    return KvCoordinates(engine_id=engine_id, **addresses)
 
 
 def _geometry(value: object) -> Geometry | None:
@@ -463,6 +529,12 @@ def _announcement_map(announcement: Announcement) -> dict[str, Any]:
         wire["load"] = known_fields(announcement.load)
     if not announcement.healthy:
         wire["healthy"] = False
+    if announcement.coordinates is not None:
+        wire["kv_coordinates"] = {
+            name: str(item)
+            for name in ("bootstrap", "engine_id", "side_channel")
+            if (item := getattr(announcement.coordinates, name)) is not None
+        }
     return wire
 
 

@@ -23,6 +23,8 @@ def static_instances(settings: Settings) -> list[Instance]:
             Source.STATIC,
             model=spec.model,
             max_model_len=spec.max_model_len,
+            connector=spec.connector,
+            coordinates=spec.coordinates,
         )
         for role, spec in configured
     ]

@@ -21,7 +21,15 @@ from enum import StrEnum
 
 from pdproxy.base.roles import Role
 from pdproxy.ids import Address
-from pdproxy.registry.messages import Announcement, Connector, Geometry, Load, Reason, Rejected
+from pdproxy.registry.messages import (
+    Announcement,
+    Connector,
+    Geometry,
+    KvCoordinates,
+    Load,
+    Reason,
+    Rejected,
+)
 
 
 class Source(StrEnum):
@@ -42,6 +50,7 @@ class Instance:
     load: Load | None = None
     healthy: bool = True
     max_model_len: int | None = None  # the context length the instance runs its model with
+    coordinates: KvCoordinates | None = None  # where its connector is reached (mooncake, ...)
     # The label this instance carries in logs, metrics and errors; read several times per
     # request, so made once.
     name: str = field(init=False, repr=False, compare=False)
@@ -92,6 +101,7 @@ def instance_from(announcement: Announcement) -> Instance:
         load=announcement.load,
         healthy=announcement.healthy,
         max_model_len=announcement.max_model_len,
+        coordinates=announcement.coordinates,
     )
 
 

@@ -22,6 +22,7 @@ class FailureKind(StrEnum):
     TIMEOUT = "timeout"
     STATUS_5XX = "status_5xx"
     NO_KV_TRANSFER_PARAMS = "no_kv_transfer_params"
+    BOOTSTRAP_QUERY = "bootstrap_query"  # a mooncake prefill's bootstrap /query failed
     STATUS_OTHER = "status_other"
     TOO_LARGE = "too_large"
     SATURATED = "saturated"
@@ -67,6 +68,9 @@ FAILURES: Mapping[FailureKind, FailurePolicy] = MappingProxyType(
         FailureKind.STATUS_5XX: _INSTANCE_FAULT,
         # Without kv_transfer_params the decode cannot know where the KV is.
         FailureKind.NO_KV_TRANSFER_PARAMS: _INSTANCE_FAULT,
+        # Without the engine id the decode cannot name the prefill's KV (a prefill restarted
+        # or its bootstrap server is down): another prefill may serve.
+        FailureKind.BOOTSTRAP_QUERY: _INSTANCE_FAULT,
         # A leg that ran out of time is a gateway timeout (the P2pNccl id-suffix hang of vLLM
         # >= 0.14 shows up as the decode's first byte never coming).
         FailureKind.TIMEOUT: FailurePolicy(

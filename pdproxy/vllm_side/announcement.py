@@ -17,6 +17,7 @@ from pdproxy.registry.messages import (
     Announcement,
     Connector,
     Geometry,
+    KvCoordinates,
     Leave,
     Load,
     Stats,
@@ -44,6 +45,9 @@ class WorkerIdentity:
     connector: str | None = None
     geometry: Geometry | None = None
     max_model_len: int | None = None  # the context length the server runs the model with
+    # Where its connector is reached: a mooncake prefill's bootstrap server, a nixl_push
+    # prefill's engine id and side channel.
+    coordinates: KvCoordinates | None = None
 
 
 def context_length(value: object) -> int | None:
@@ -69,6 +73,7 @@ def announcement(
         load=load,
         healthy=healthy,
         max_model_len=identity.max_model_len,
+        coordinates=identity.coordinates,
     )
 
 

@@ -32,7 +32,12 @@ TORCH_PIN = "torch==2.13.0"
 UNLOADABLE_EXTRAS = ("torchvision", "torchaudio", "torchcodec")
 # What pdproxy's connector needs beside vLLM's own dependencies (vLLM 0.32 ships no msgpack).
 # Changing this list updates a cached venv in place.
-WORKER_REQUIREMENTS = ("msgpack>=1.0", "pyzmq>=25")
+# vLLM's MooncakeConnector (tests/vllm/test_mooncake_real.py): its non-CUDA transfer engine.
+WORKER_REQUIREMENTS = (
+    "msgpack>=1.0",
+    "pyzmq>=25",
+    "mooncake-transfer-engine-non-cuda==0.3.13.post1",
+)
 INSTALL_TIMEOUT_S = 1200.0
 LOCK_TIMEOUT_S = 1500.0  # another run may be installing: wait for it, bounded
 IMPORT_CHECK_TIMEOUT_S = 300.0

@@ -101,6 +101,7 @@ SAMPLES: dict[str, tuple[str, Any]] = {
     "allow_unknown_geometry": ("true", True),
     "disagg_min_tokens": ("32", 32),
     "concurrent_decode_connectors": ("p2p_nccl", ["p2p_nccl"]),
+    "bootstrap_query_timeout": ("2.5", 2.5),
     "max_attempts": ("5", 5),
     "retry_backoff_base_seconds": ("0.01", 0.01),
     "retry_backoff_max_seconds": ("2.5", 2.5),
@@ -166,7 +167,7 @@ def test_defaults() -> None:
     assert settings.decode_policy == "least_kv"
     assert settings.allow_unknown_geometry is False
     assert settings.disagg_min_tokens == 0
-    assert settings.concurrent_decode_connectors == ["pdproxy"]
+    assert settings.concurrent_decode_connectors == ["pdproxy", "mooncake", "nixl_push"]
     assert settings.max_attempts == 3
     assert settings.outlier_consecutive_failures == 5
     assert settings.max_inflight_requests == 10000
@@ -184,7 +185,29 @@ def test_concurrent_decode_connectors_take_lists_and_none_and_refuse_nixl() -> N
     with pytest.raises(ConfigError, match="nixl cannot run its legs concurrently"):
         load(["--concurrent-decode-connectors", "nixl"])
     with pytest.raises(ConfigError, match="concurrent_decode_connectors"):
-        load(["--concurrent-decode-connectors", "mooncake"])
+        load(["--concurrent-decode-connectors", "mooncake_store"])
+
+
+def test_static_prefills_carry_their_connectors_coordinates() -> None:
+    mooncake = "http=127.0.0.1:8100,zmq=127.0.0.1:14579,connector=mooncake,bootstrap=10.0.0.5:8998"
+    push = (
+        "http=127.0.0.1:8200,zmq=127.0.0.1:14580,connector=nixl_push,engine_id=e-1,"
+        "side_channel=10.0.0.6:5600"
+    )
+    settings = load(["--prefill", mooncake, "--prefill", push, "--decode", mooncake])
+    first, second = settings.prefill
+    assert first.connector == "mooncake" and first.coordinates is not None
+    assert str(first.coordinates.bootstrap) == "10.0.0.5:8998"
+    assert second.coordinates is not None and second.coordinates.engine_id == "e-1"
+    assert str(second.coordinates.side_channel) == "10.0.0.6:5600"
+    with pytest.raises(ConfigError, match="a mooncake prefill needs bootstrap"):
+        load(["--prefill", "http=127.0.0.1:8100,zmq=127.0.0.1:14579,connector=mooncake"])
+    with pytest.raises(ConfigError, match="a nixl_push prefill needs engine_id, side_channel"):
+        load(["--prefill", "http=127.0.0.1:8100,zmq=127.0.0.1:14579,connector=nixl_push"])
+    with pytest.raises(ConfigError, match="bootstrap address"):
+        load(["--prefill", "http=127.0.0.1:8100,zmq=127.0.0.1:1,connector=mooncake,bootstrap=x"])
+    # A decode names nobody: it needs no coordinates.
+    assert load(["--decode", "http=127.0.0.1:8100,zmq=127.0.0.1:1,connector=mooncake"]).decode
 
 
 def test_the_unsigned_instance_cap_exists_only_with_a_secret() -> None:

@@ -132,6 +132,12 @@ def expected_kind(connector: Connector, p: KvGeometry, d: KvGeometry) -> Mismatc
         if d.block_size % p.block_size:
             return Mismatch.BLOCK_SIZE
         return None
+    if connector is Connector.MOONCAKE:
+        # vLLM's MooncakeConnector: one TP divides the other, equal block sizes, its own layout.
+        if max(p.tp_size, d.tp_size) % min(p.tp_size, d.tp_size):
+            return Mismatch.TP
+        return Mismatch.BLOCK_SIZE if p.block_size != d.block_size else None
+    # nixl and nixl_push (the same NIXL handshake and topology).
     if max(p.tp_size, d.tp_size) % min(p.tp_size, d.tp_size):
         return Mismatch.TP
     prefill_larger = p.tp_size > d.tp_size
@@ -868,3 +874,25 @@ def test_canonical_names_are_fixed_points() -> None:
 def test_property_any_dtype_name_is_answered(name: str) -> None:
     assert isinstance(canonical_dtype(name), str)
     assert dtype_bytes(name) in (None, 1, 2, 4)
+
+
+@pytest.mark.parametrize("connector", [Connector.MOONCAKE, Connector.NIXL_PUSH])
+def test_a_peer_naming_kind_never_pairs_with_a_side_that_did_not_announce_it(
+    connector: Connector,
+) -> None:
+    g = KvGeometry(1, 16, 2, 2, 32, "float16", kv_layout=NHD)
+    for prefill, decode in ((connector, None), (None, connector)):
+        verdict = plan_pair(Side(None, prefill, g, PORT), Side(None, decode, g, PORT))
+        refused(verdict, Mismatch.CONNECTOR)
+    assert isinstance(
+        plan_pair(Side(None, connector, g, PORT), Side(None, connector, g, PORT)), PairPlan
+    )
+
+
+def test_mooncake_needs_equal_block_sizes_and_ignores_layouts() -> None:
+    p = KvGeometry(2, 16, 2, 6, 32, "float16", kv_layout=NHD)
+    assert isinstance(plan(p, replace(p, kv_layout=HND, tp_size=6), Connector.MOONCAKE), PairPlan)
+    refused(plan(p, replace(p, block_size=32), Connector.MOONCAKE), Mismatch.BLOCK_SIZE)
+    refused(plan(p, replace(p, tp_size=3), Connector.MOONCAKE), Mismatch.TP)
+    # nixl would take the larger decode block: mooncake maps block ids one to one.
+    assert isinstance(plan(p, replace(p, block_size=32), Connector.NIXL), PairPlan)

@@ -49,3 +49,33 @@ def test_answered_params_are_taken_only_if_the_decode_leg_can_carry_them() -> No
     # Readable (orjson reads 1024 levels) but not writable again: no usable params, not a 500.
     deep = b'{"kv_transfer_params": {"x": ' + b"[" * 300 + b"]" * 300 + b"}}"
     assert params_from_answer(deep) is None
+
+
+def test_mooncake_and_nixl_push_legs_carry_what_vllms_connectors_read() -> None:
+    from pdproxy.ids import Address
+    from pdproxy.proxy.kv_params import (
+        mooncake_decode_params,
+        mooncake_prefill_params,
+        nixl_push_decode_params,
+    )
+
+    # vLLM 0.32 MooncakeConnector: update_state_after_alloc reads these three on the decode.
+    assert mooncake_prefill_params("t1") == {
+        "do_remote_decode": True,
+        "do_remote_prefill": False,
+        "transfer_id": "t1",
+    }
+    decode = mooncake_decode_params("t1", Address("10.0.0.5", 8998), "engine-a")
+    assert decode["remote_bootstrap_addr"] == "http://10.0.0.5:8998"
+    assert (decode["transfer_id"], decode["remote_engine_id"]) == ("t1", "engine-a")
+    assert decode["do_remote_prefill"] is True and decode["do_remote_decode"] is False
+    # NixlPushConnectorScheduler.update_state_after_alloc: remote_engine_id/host/port, tp_size.
+    push = nixl_push_decode_params("engine-p", Address("10.0.0.6", 5600), 2)
+    assert push == {
+        "do_remote_prefill": True,
+        "do_remote_decode": False,
+        "remote_engine_id": "engine-p",
+        "remote_host": "10.0.0.6",
+        "remote_port": 5600,
+        "tp_size": 2,
+    }

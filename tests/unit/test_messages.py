@@ -19,6 +19,7 @@ from pdproxy.registry.messages import (
     Announcement,
     Connector,
     Geometry,
+    KvCoordinates,
     Leave,
     Load,
     Message,
@@ -26,6 +27,7 @@ from pdproxy.registry.messages import (
     Rejected,
     decode_frame,
     parse_message,
+    to_map,
 )
 
 # Deterministic and load-tolerant: same examples every run, no deadline, no example database.
@@ -199,11 +201,57 @@ def test_v1_op_defaults_to_announce() -> None:
     assert decode_frame(frame(without(V1_FULL, "op"))) == decode_frame(frame(V1_FULL))
 
 
+COORDINATES = {"bootstrap": "10.0.0.6:8998", "engine_id": "e-1", "side_channel": "10.0.0.6:5600"}
+COORDINATES_READ = KvCoordinates(Address("10.0.0.6", 8998), "e-1", Address("10.0.0.6", 5600))
+
+
 @pytest.mark.parametrize("connector", list(Connector))
 def test_every_connector(connector: Connector) -> None:
-    message = decode_frame(frame(with_(V1_MINIMAL, connector=connector.value)))
+    announced = with_(V1_MINIMAL, connector=connector.value, kv_coordinates=COORDINATES)
+    message = decode_frame(frame(announced))
     assert isinstance(message, Announcement)
     assert message.connector is connector
+
+
+def test_coordinates_are_read_and_written() -> None:
+    message = decode_frame(
+        frame(with_(V1_MINIMAL, connector="mooncake", kv_coordinates=COORDINATES))
+    )
+    assert isinstance(message, Announcement)
+    assert message.coordinates == COORDINATES_READ
+    assert to_map(message)["kv_coordinates"] == COORDINATES
+
+
+@pytest.mark.parametrize(
+    ("connector", "missing"),
+    [("mooncake", "bootstrap"), ("nixl_push", "engine_id, side_channel")],
+)
+def test_a_prefill_of_a_peer_naming_kind_must_announce_its_coordinates(
+    connector: str, missing: str
+) -> None:
+    with pytest.raises(
+        Rejected, match=f"a {connector} prefill must announce kv_coordinates {missing}"
+    ):
+        decode_frame(frame(with_(V1_MINIMAL, connector=connector)))
+    # The decode's leg names the prefill, never the decode: a decode needs none.
+    decode = decode_frame(frame(with_(V1_MINIMAL, type="D", connector=connector)))
+    assert isinstance(decode, Announcement) and decode.coordinates is None
+
+
+@pytest.mark.parametrize(
+    "coordinates",
+    [
+        "10.0.0.6:8998",
+        {"bootstrap": "no-port"},
+        {"side_channel": 5600},
+        {"engine_id": ""},
+        {"engine_id": "x" * 129},
+        {"engine_id": "a\nb"},
+    ],
+)
+def test_bad_coordinates_are_refused(coordinates: object) -> None:
+    with pytest.raises(Rejected):
+        decode_frame(frame(with_(V1_MINIMAL, kv_coordinates=coordinates)))
 
 
 @pytest.mark.parametrize("layout", ["NHD", "HND"])
@@ -637,6 +685,7 @@ def test_valid_v1_round_trips(
         payload["model"] = model
     if connector is not None:
         payload["connector"] = connector.value
+        payload["kv_coordinates"] = COORDINATES
     if geometry is not None:
         payload["geometry"] = _present(geometry)
     if load is not None:
@@ -650,6 +699,7 @@ def test_valid_v1_round_trips(
         connector=connector,
         geometry=geometry,
         load=load,
+        coordinates=None if connector is None else COORDINATES_READ,
     )
 
 

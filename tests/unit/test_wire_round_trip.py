@@ -18,9 +18,11 @@ from pdproxy.registry.messages import (
     MAX_TP_SIZE,
     MAX_TRANSFER_COUNT,
     MAX_TRANSFERS,
+    REQUIRED_COORDINATES,
     Announcement,
     Connector,
     Geometry,
+    KvCoordinates,
     Leave,
     Message,
     Stats,
@@ -39,19 +41,36 @@ addresses = st.builds(
 )
 
 
-v1_announcements = st.builds(
-    Announcement,
-    version=st.just(1),
-    role=st.sampled_from(Role),
-    http_address=addresses,
-    zmq_address=addresses,
-    model=st.none() | st.text(min_size=1, max_size=256),
-    connector=st.none() | st.sampled_from(Connector),
-    geometry=st.none() | GEOMETRIES,
-    load=st.none() | LOADS,
-    healthy=st.booleans(),
-    max_model_len=st.none() | st.integers(1, MAX_MODEL_LEN),
+full_coordinates = st.builds(
+    KvCoordinates,
+    bootstrap=addresses,
+    engine_id=st.text(st.characters(codec="ascii", min_codepoint=33), min_size=1, max_size=128),
+    side_channel=addresses,
 )
+# Any coordinates, or none: a prefill that must announce them always does.
+coordinates = st.none() | full_coordinates | st.builds(KvCoordinates, bootstrap=addresses)
+
+
+@st.composite
+def v1_announcements(draw: st.DrawFn) -> Announcement:
+    role = draw(st.sampled_from(Role))
+    connector = draw(st.none() | st.sampled_from(Connector))
+    needs = role is Role.PREFILL and connector in REQUIRED_COORDINATES
+    return Announcement(
+        version=1,
+        role=role,
+        http_address=draw(addresses),
+        zmq_address=draw(addresses),
+        model=draw(st.none() | st.text(min_size=1, max_size=256)),
+        connector=connector,
+        geometry=draw(st.none() | GEOMETRIES),
+        load=draw(st.none() | LOADS),
+        healthy=draw(st.booleans()),
+        max_model_len=draw(st.none() | st.integers(1, MAX_MODEL_LEN)),
+        coordinates=draw(full_coordinates if needs else coordinates),
+    )
+
+
 # Stock vLLM's message carries only these three fields.
 v0_announcements = st.builds(Announcement, st.just(0), st.sampled_from(Role), addresses, addresses)
 transfers = st.builds(
@@ -77,7 +96,7 @@ def stats(draw: st.DrawFn) -> Stats:
     )
 
 
-messages = v1_announcements | v0_announcements | st.builds(Leave, addresses) | stats()
+messages = v1_announcements() | v0_announcements | st.builds(Leave, addresses) | stats()
 
 
 @settings(derandomize=True, database=None, deadline=None, max_examples=400)

@@ -18,6 +18,7 @@ from pdproxy.registry.messages import (
     Announcement,
     Connector,
     Geometry,
+    KvCoordinates,
     Leave,
     Load,
     Message,
@@ -56,6 +57,8 @@ DECODE = WorkerIdentity(
     geometry=LLAMA_GEOMETRY,
 )
 
+COORDINATES = KvCoordinates(Address("10.0.0.5", 8998), "engine-0", Address("10.0.0.5", 5600))
+
 PREFILL = WorkerIdentity(
     role=Role.PREFILL, http_address="10.0.0.5:8100", zmq_address="10.0.0.5:21001"
 )
@@ -88,6 +91,7 @@ def assert_same(identity: WorkerIdentity, decoded: Announcement) -> None:
         assert decoded.connector is None
     else:
         assert decoded.connector is Connector(identity.connector)
+    assert decoded.coordinates == identity.coordinates
     if identity.geometry is None:
         assert decoded.geometry is None
     else:
@@ -125,7 +129,7 @@ def test_minimal_announcement_round_trips() -> None:
 
 @pytest.mark.parametrize("connector", [c.value for c in Connector])
 def test_every_connector_kind_decodes(connector: str) -> None:
-    identity = dataclasses.replace(PREFILL, connector=connector)
+    identity = dataclasses.replace(PREFILL, connector=connector, coordinates=COORDINATES)
     assert announced(announce_message(identity)).connector is Connector(connector)
 
 
@@ -368,6 +372,7 @@ _identities = st.builds(
     model=st.none() | st.text(min_size=1, max_size=256),
     connector=st.none() | st.sampled_from([c.value for c in Connector]),
     geometry=st.none() | GEOMETRIES,
+    coordinates=st.just(COORDINATES),  # what every kind's prefill may need
 )
 
 
