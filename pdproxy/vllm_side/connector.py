@@ -129,7 +129,13 @@ class PdproxyConnector(KVConnectorBase_V1):  # type: ignore[misc]
             client, identity, self._sample, settings.announce_interval_s, secret=secret
         )
         announcer.start()
-        log.info("pdproxy connector: announcing %s to %s", identity.http_address, settings.registry)
+        log.info(
+            "pdproxy connector: announcing http %s, zmq %s (host from %s) to %s",
+            identity.http_address,
+            identity.zmq_address,
+            settings.host_origin,
+            settings.registry,
+        )
         return announcer
 
     def _sample(self) -> LoadSample:

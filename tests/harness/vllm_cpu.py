@@ -87,6 +87,8 @@ class VllmServer:
     connector_extra: dict[str, Any] = field(default_factory=dict)  # kv_timeout, on_missing_kv...
     block_size: int | None = None  # vLLM's own default (128 on CPU) when None
     tp_size: int = 1  # ranks in worker processes; `cpu` then names one core list per rank
+    # None: the connector picks the address itself (the local end of its route to the registry).
+    advertise_host: str | None = LOOPBACK
     process: ManagedProcess | None = field(default=None, init=False)
 
     @property
@@ -111,11 +113,12 @@ class VllmServer:
 
     def kv_transfer_config(self) -> dict[str, Any]:
         extra: dict[str, Any] = {
-            "advertise_host": LOOPBACK,
             "http_port": self.http_port,
             "record_path": str(self.record_path),
             "announce_interval": self.announce_interval_s,
         }
+        if self.advertise_host is not None:
+            extra["advertise_host"] = self.advertise_host
         if self.registry is not None:
             host, port = self.registry.rsplit(":", 1)
             extra |= {"proxy_ip": host, "proxy_port": int(port)}
