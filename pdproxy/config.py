@@ -11,6 +11,7 @@ import argparse
 import json
 import os
 from collections.abc import Mapping
+from dataclasses import fields as dataclass_fields
 from pathlib import Path
 from typing import Any, Literal
 
@@ -28,20 +29,38 @@ from pydantic import (
 from pdproxy.ids import Address, AddressError, parse_address
 from pdproxy.pairing.policies import DecodePolicyName, PrefillPolicyName
 from pdproxy.registry.auth import MIN_SECRET_BYTES, AuthConfigError, parse_cidrs
-from pdproxy.registry.messages import MAX_MODEL_LEN, Connector
+from pdproxy.registry.messages import (
+    GEOMETRY_LIMITS,
+    MAX_DTYPE_NAME,
+    MAX_MODEL_LEN,
+    Connector,
+    Geometry,
+)
 
 ENV_PREFIX = "PDPROXY_"
 MiB = 1024 * 1024
 
 
-_INSTANCE_KEYS = ("http", "zmq", "model", "max_model_len")
-_INSTANCE_SYNTAX = "http=HOST:PORT,zmq=HOST:PORT[,model=NAME][,max_model_len=N]"
+# The registry's geometry fields, each a key of a static instance too (same names and bounds as
+# an announcement's), so that a fleet that does not announce is still paired by geometry.
+_GEOMETRY_KEYS = tuple(f.name for f in dataclass_fields(Geometry))
+_INSTANCE_KEYS = ("http", "zmq", "model", "max_model_len", "connector", *_GEOMETRY_KEYS)
+_INSTANCE_SYNTAX = (
+    "http=HOST:PORT,zmq=HOST:PORT[,model=NAME][,max_model_len=N][,connector=KIND]"
+    f"[,GEOMETRY=VALUE...] (connector: {'|'.join(c.value for c in Connector)}; "
+    f"geometry: {', '.join(_GEOMETRY_KEYS)})"
+)
+
+
+def _bound(name: str) -> Any:
+    return Field(None, ge=1, le=GEOMETRY_LIMITS[name])
 
 
 class StaticInstance(BaseModel):
     """An instance the operator configured; it never expires.
 
-    Written on the command line as `http=HOST:PORT,zmq=HOST:PORT[,model=NAME][,max_model_len=N]`.
+    Written on the command line as `http=HOST:PORT,zmq=HOST:PORT[,model=NAME][,KEY=VALUE...]`
+    with the keys of `_INSTANCE_KEYS`; in YAML as a map of the same keys.
     """
 
     model_config = ConfigDict(frozen=True, extra="forbid")
@@ -52,6 +71,16 @@ class StaticInstance(BaseModel):
     # The context length the instance runs its model with (vLLM's --max-model-len): with it,
     # the proxy refuses requests for more output tokens itself, before any prefill.
     max_model_len: int | None = Field(None, ge=1, le=MAX_MODEL_LEN)
+    # What an announcement would say: the KV connector and the KV cache geometry.
+    connector: Connector | None = None
+    tp_size: int | None = _bound("tp_size")
+    block_size: int | None = _bound("block_size")
+    num_layers: int | None = _bound("num_layers")
+    num_kv_heads: int | None = _bound("num_kv_heads")
+    head_dim: int | None = _bound("head_dim")
+    kv_dtype: str | None = Field(None, min_length=1, max_length=MAX_DTYPE_NAME)
+    is_mla: bool | None = None
+    kv_layout: Literal["NHD", "HND"] | None = None
 
     @model_validator(mode="before")
     @classmethod
@@ -65,6 +94,14 @@ class StaticInstance(BaseModel):
                 raise ValueError(f"bad instance {value!r}: expected {_INSTANCE_SYNTAX}")
             fields[key] = item
         return fields
+
+    @property
+    def geometry(self) -> Geometry | None:
+        """The geometry fields given, as the registry holds them; None when none is."""
+        given = {key: getattr(self, key) for key in _GEOMETRY_KEYS}
+        if all(value is None for value in given.values()):
+            return None
+        return Geometry(**given)
 
     @model_validator(mode="after")
     def _addresses_valid(self) -> StaticInstance:

@@ -3,6 +3,7 @@ the proxy, its Services and the vLLM fleet (ports, DNS names, probes, config fil
 
 from __future__ import annotations
 
+import enum
 import json
 import math
 import re
@@ -18,7 +19,7 @@ import pytest
 import yaml
 
 from pdproxy.base.roles import Role
-from pdproxy.config import ENV_PREFIX, Settings
+from pdproxy.config import ENV_PREFIX, Settings, StaticInstance
 from pdproxy.demo.processes import http_get
 from pdproxy.proxy.app import PdproxyApp
 from pdproxy.proxy.credentials import Credentials
@@ -152,6 +153,31 @@ def test_config_schema_is_exactly_the_settings_fields() -> None:
     assert not declared & (CHART_OWNED | FROM_SECRET)
 
 
+def test_static_instance_schema_is_exactly_the_static_instance_fields() -> None:
+    """A static instance in the chart takes the keys `--prefill`/`--decode` take (connector and
+    geometry included), with their types, bounds and choices, as a string or as a map."""
+    for role in ("prefill", "decode"):
+        text, mapping = SCHEMA["properties"]["config"]["properties"][role]["items"]["oneOf"]
+        assert set(mapping["properties"]) == set(StaticInstance.model_fields)
+        assert mapping["required"] == ["http", "zmq"]
+        for name, node in mapping["properties"].items():
+            field = StaticInstance.model_fields[name]
+            bounds = {
+                keyword: getattr(c, attribute)
+                for c in field.metadata
+                for attribute, keyword in BOUND_KEYWORDS.items()
+                if getattr(c, attribute, None) is not None
+            }
+            assert {k: node[k] for k in BOUND_KEYWORDS.values() if k in node} == bounds, name
+            choices = [a for a in typing.get_args(field.annotation) if a is not type(None)]
+            if choices and isinstance(choices[0], type) and issubclass(choices[0], enum.Enum):
+                assert node["enum"] == [c.value for c in choices[0]], name
+            elif choices and typing.get_origin(choices[0]) is typing.Literal:
+                assert node["enum"] == list(typing.get_args(choices[0])), name
+        keys = "|".join(k for k in StaticInstance.model_fields if k not in ("http", "zmq"))
+        assert text["pattern"] == f"^http=[^,]+,zmq=[^,]+(,({keys})=[^,]+)*$"
+
+
 def test_all_on_example_sets_every_config_key() -> None:
     """So the Settings round trip below covers every key the schema lets through."""
     assert set(VALUE_SETS["all-on"]["config"]) == set(SCHEMA["properties"]["config"]["properties"])
@@ -224,6 +250,16 @@ def test_all_on_example_moves_every_config_key_off_its_default() -> None:
         ({"config": {"log_level": "verbose"}}, "/config/log_level"),
         ({"config": {"ttl": 0}}, "/config/ttl"),
         ({"config": {"prefill": ["10.0.0.1:8000"]}}, "/config/prefill/0"),
+        ({"config": {"prefill": ["http=a:1,zmq=b:2,gpu=0"]}}, "/config/prefill/0"),
+        (
+            {"config": {"decode": [{"http": "a:1", "zmq": "b:2", "connector": "x"}]}},
+            "/config/decode/0",
+        ),
+        ({"config": {"decode": [{"http": "a:1", "zmq": "b:2", "tp_size": 0}]}}, "/config/decode/0"),
+        (
+            {"config": {"decode": [{"http": "a:1", "zmq": "b:2", "kv_layout": "X"}]}},
+            "/config/decode/0",
+        ),
         ({"replicaCount": "two"}, "/replicaCount"),
         ({"ports": {"http": 70000, "registry": 30001}}, "/ports/http"),
         ({"image": {"pullPolicy": "Sometimes"}}, "/image/pullPolicy"),
@@ -464,7 +500,8 @@ def test_the_container_command_builds_settings(rendered: Rendered, tmp_path: Pat
     for key, value in rendered.config.items():
         assert key in Settings.model_fields
         if key in ("prefill", "decode"):
-            assert len(getattr(settings, key)) == len(value)
+            # Each spec, string or map, read with every key it gives (connector, geometry...).
+            assert getattr(settings, key) == [StaticInstance.model_validate(v) for v in value]
         elif key in SECRET_FILE_SETTINGS:  # moved to where the test mounted the Secret
             assert str(getattr(settings, key)).endswith(value), key
         else:

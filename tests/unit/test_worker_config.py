@@ -4,6 +4,7 @@ geometry from a (duck-typed) VllmConfig."""
 
 from __future__ import annotations
 
+import argparse
 import dataclasses
 import enum
 import logging
@@ -17,7 +18,15 @@ from hypothesis import given, settings
 from hypothesis import strategies as st
 
 from pdproxy.base.roles import Role
-from pdproxy.registry.messages import Announcement, Geometry, Load, decode_frame, known_fields
+from pdproxy.registry.messages import (
+    Announcement,
+    Connector,
+    Geometry,
+    Load,
+    decode_frame,
+    known_fields,
+)
+from pdproxy.vllm_side.announce import add_cli, build_identity
 from pdproxy.vllm_side.announcement import WorkerIdentity, announce_message
 from pdproxy.vllm_side.announcer import DEFAULT_INTERVAL_S
 from pdproxy.vllm_side.connector_settings import (
@@ -760,3 +769,23 @@ def test_mla_config() -> None:
     )
     geometry = geometry_from_vllm_config(config)
     assert (geometry.is_mla, geometry.num_kv_heads, geometry.head_dim) == (True, 1, 576)
+
+
+def sidecar_args(*argv: str) -> argparse.Namespace:
+    parser = argparse.ArgumentParser()
+    add_cli(parser.add_subparsers())
+    base = ["announce", "--role", "P", "--http-address", "h:1", "--zmq-address", "h:2"]
+    return parser.parse_args([*base, "--registry", "r:3", *argv])
+
+
+@pytest.mark.parametrize("kind", list(Connector))
+def test_the_sidecar_announces_every_connector_kind_the_registry_knows(kind: Connector) -> None:
+    identity = build_identity(sidecar_args("--connector", kind.value))
+    decoded = decode_frame(msgpack.packb(announce_message(identity)))
+    assert isinstance(decoded, Announcement) and decoded.connector is kind
+
+
+def test_the_sidecar_refuses_an_unknown_connector_kind(capsys: pytest.CaptureFixture[str]) -> None:
+    with pytest.raises(SystemExit):
+        sidecar_args("--connector", "P2pNcclConnector")
+    assert "--connector" in capsys.readouterr().err
