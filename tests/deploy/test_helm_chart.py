@@ -264,7 +264,8 @@ def test_all_on_example_moves_every_config_key_off_its_default() -> None:
         ({"ports": {"http": 70000, "registry": 30001}}, "/ports/http"),
         ({"image": {"pullPolicy": "Sometimes"}}, "/image/pullPolicy"),
         ({"fleet": {"enabled": True}}, "/fleet/model"),
-        ({"fleet": {"connector": "NixlConnector"}}, "/fleet/connector"),
+        ({"fleet": {"connector": "LMCacheConnectorV1"}}, "/fleet/connector"),
+        ({"fleet": {"connector": "NixlConnector"}}, "/fleet/announce/enabled"),
         ({"podDisruptionBudget": {"maxUnavailable": "10"}}, "/podDisruptionBudget/maxUnavailable"),
         (
             {"fleet": {"connector": "PdproxyConnector", "announce": {"enabled": True}}},
@@ -292,7 +293,7 @@ CLIENT_KEYS = {"existingSecret": "client-keys", "key": "keys"}
     ("values", "complaint"),
     [
         (
-            {"fleet": {"decode": {"tensorParallelSize": 2}}},
+            {"fleet": {"connector": "P2pNcclConnector", "decode": {"tensorParallelSize": 2}}},
             "P2pNcclConnector supports symmetric tensor parallelism only",
         ),
         ({"autoscaling": {"enabled": True, "minReplicas": 5, "maxReplicas": 2}}, "minReplicas"),
@@ -321,7 +322,10 @@ CLIENT_KEYS = {"existingSecret": "client-keys", "key": "keys"}
             "config.open_paths must include /metrics",
         ),
         (
-            {"auth": {"registrySecret": {"existingSecret": "reg", "key": "k"}}},
+            {
+                "auth": {"registrySecret": {"existingSecret": "reg", "key": "k"}},
+                "fleet": {"connector": "P2pNcclConnector", "announce": {"enabled": False}},
+            },
             "stock vLLM sends unsigned v0 pings",
         ),
     ],
@@ -332,7 +336,8 @@ def test_inconsistent_values_fail_rendering(values: dict[str, Any], complaint: s
     if "fleet" in values:
         fleet = {
             **base["fleet"],
-            "decode": {**base["fleet"]["decode"], **values["fleet"]["decode"]},
+            **values["fleet"],
+            "decode": {**base["fleet"]["decode"], **values["fleet"].get("decode", {})},
         }
         merged["fleet"] = fleet
     with pytest.raises(helm.HelmError) as refused:
@@ -858,6 +863,12 @@ def test_fleet_announces_to_the_registry_service(name: str, tmp_path: Path) -> N
             assert read.registry == f"{registry_host}:{registry_port['port']}"
             secret_file = extra.get("registry_secret_file")
             assert read.registry_secret_file == (None if secret_file is None else Path(secret_file))
+        elif kv["kv_connector"] == "NixlConnector":
+            # NIXL reads no key of pdproxy's; its side channel is the announced zmq address.
+            assert set(kv) == common
+            assert env_value(spec, "VLLM_NIXL_SIDE_CHANNEL_HOST")["value"] == "$(POD_IP)"
+            assert env_value(spec, "VLLM_NIXL_SIDE_CHANNEL_PORT")["value"] == str(kv["kv_port"])
+            assert announce_sidecar, "nothing else announces a NixlConnector instance"
         else:
             assert kv["kv_connector"] == "P2pNcclConnector"
             assert set(kv) == common | {"kv_buffer_size"}
@@ -932,8 +943,10 @@ def _check_fleet_signing(
 
 def test_a_signed_registry_admits_stock_vllm_only_with_unsigned_v0() -> None:
     registry = {"existingSecret": "reg", "key": "secret"}
+    stock = {"connector": "P2pNcclConnector", "announce": {"enabled": False}}
     values = {
         **VALUE_SETS["fleet-2p2d"],
+        "fleet": {**VALUE_SETS["fleet-2p2d"]["fleet"], **stock},
         "auth": {"registrySecret": registry},
         "config": {"registry_allow_unsigned_v0": True},
     }
@@ -965,7 +978,11 @@ def _check_announce_sidecar(
     assert flag_value(argv, "--zmq-address") == f"$(POD_IP):{kv['kv_port']}"
     assert flag_value(argv, "--metrics-url") == f"http://$(POD_IP):{http_port}/metrics"
     assert flag_value(argv, "--model") == flag_value(vllm["args"], "--served-model-name")
-    connector = {"PdproxyConnector": "pdproxy", "P2pNcclConnector": "p2p_nccl"}
+    connector = {
+        "PdproxyConnector": "pdproxy",
+        "P2pNcclConnector": "p2p_nccl",
+        "NixlConnector": "nixl",
+    }
     assert flag_value(argv, "--connector") == connector[kv["kv_connector"]]
     _env_refs_resolve(sidecar)
     assert sidecar["securityContext"]["runAsNonRoot"] is True
@@ -982,7 +999,8 @@ def test_both_connectors_are_rendered() -> None:
         for deployment in render(VALUE_SETS[name]).fleet():
             args = container(deployment, "vllm")["args"]
             connectors.add(json.loads(flag_value(args, "--kv-transfer-config"))["kv_connector"])
-    assert connectors == {"P2pNcclConnector", "PdproxyConnector"}
+    # The examples run current vLLM (NixlConnector) or pdproxy's own connector.
+    assert connectors == {"NixlConnector", "PdproxyConnector"}
 
 
 def test_fleet_example_is_two_prefill_two_decode() -> None:
@@ -995,7 +1013,7 @@ def test_fleet_example_is_two_prefill_two_decode() -> None:
 
 
 def test_registry_dns_follows_namespace_and_cluster_domain() -> None:
-    values = {**VALUE_SETS["fleet-2p2d"], "clusterDomain": "corp.internal"}
+    values = {**VALUE_SETS["fleet-2p2d-pdproxy-connector"], "clusterDomain": "corp.internal"}
     rendered = render(values)
     for deployment in rendered.fleet():
         kv = json.loads(flag_value(container(deployment, "vllm")["args"], "--kv-transfer-config"))
