@@ -31,7 +31,14 @@ import openai
 import pytest
 
 from pdproxy.demo.fleet import LocalFleet
-from pdproxy.demo.processes import LOOPBACK, ManagedProcess, free_ports, pdproxy_command, wait_until
+from pdproxy.demo.processes import (
+    LOOPBACK,
+    ManagedProcess,
+    free_ports,
+    http_json,
+    pdproxy_command,
+    wait_until,
+)
 from tests.harness.vllm_cpu import MODEL_NAME, VllmServer, running_servers
 from tests.harness.vllm_env import VllmEnv
 from tests.integration.support import LoopbackServer, metric_value
@@ -341,8 +348,6 @@ def test_both_setups_list_the_same_nixl_pair(nixl_fleet: NixlFleet) -> None:
 
 
 def proxy_pairs(proxy: LocalFleet) -> dict[str, list[str]]:
-    from pdproxy.demo.processes import http_json
-
     report = http_json(f"{proxy.proxy_url}/v1/instances/pairs")["prefills"]
     return {
         item["prefill"]: [d for group in item["compatible"] for d in group["decodes"]]
