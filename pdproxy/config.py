@@ -11,6 +11,7 @@ import argparse
 import json
 import os
 from collections.abc import Mapping
+from dataclasses import fields as dataclass_fields
 from pathlib import Path
 from typing import Any, Literal
 
@@ -29,9 +30,12 @@ from pdproxy.ids import Address, AddressError, parse_address
 from pdproxy.pairing.policies import DecodePolicyName, PrefillPolicyName
 from pdproxy.registry.auth import MIN_SECRET_BYTES, AuthConfigError, parse_cidrs
 from pdproxy.registry.messages import (
+    GEOMETRY_LIMITS,
+    MAX_DTYPE_NAME,
     MAX_ENGINE_ID,
     MAX_MODEL_LEN,
     Connector,
+    Geometry,
     KvCoordinates,
     missing_coordinates,
 )
@@ -40,20 +44,37 @@ ENV_PREFIX = "PDPROXY_"
 MiB = 1024 * 1024
 
 
-_INSTANCE_KEYS = ("http", "zmq", "model", "max_model_len")
+# The registry's geometry fields, each a key of a static instance too (same names and bounds as
+# an announcement's), so that a fleet that does not announce is still paired by geometry.
+_GEOMETRY_KEYS = tuple(f.name for f in dataclass_fields(Geometry))
 # A prefill's connector coordinates (mooncake: bootstrap; nixl_push: engine_id, side_channel).
-_COORDINATE_KEYS = ("connector", "bootstrap", "engine_id", "side_channel")
+_COORDINATE_KEYS = ("bootstrap", "engine_id", "side_channel")
+_INSTANCE_KEYS = (
+    "http",
+    "zmq",
+    "model",
+    "max_model_len",
+    "connector",
+    *_COORDINATE_KEYS,
+    *_GEOMETRY_KEYS,
+)
 _INSTANCE_SYNTAX = (
     "http=HOST:PORT,zmq=HOST:PORT[,model=NAME][,max_model_len=N][,connector=KIND]"
     "[,bootstrap=HOST:PORT][,engine_id=ID][,side_channel=HOST:PORT]"
+    f"[,GEOMETRY=VALUE...] (connector: {'|'.join(c.value for c in Connector)}; "
+    f"geometry: {', '.join(_GEOMETRY_KEYS)})"
 )
+
+
+def _bound(name: str) -> Any:
+    return Field(None, ge=1, le=GEOMETRY_LIMITS[name])
 
 
 class StaticInstance(BaseModel):
     """An instance the operator configured; it never expires.
 
     Written on the command line as `http=HOST:PORT,zmq=HOST:PORT[,model=NAME][,KEY=VALUE...]`
-    (the keys: _INSTANCE_SYNTAX).
+    with the keys of `_INSTANCE_KEYS`; in YAML as a map of the same keys.
     """
 
     model_config = ConfigDict(frozen=True, extra="forbid")
@@ -64,11 +85,20 @@ class StaticInstance(BaseModel):
     # The context length the instance runs its model with (vLLM's --max-model-len): with it,
     # the proxy refuses requests for more output tokens itself, before any prefill.
     max_model_len: int | None = Field(None, ge=1, le=MAX_MODEL_LEN)
+    # What an announcement would say: the KV connector, where a mooncake or nixl_push prefill's
+    # connector is reached, and the KV cache geometry.
     connector: Connector | None = None
-    # Where a mooncake or nixl_push prefill's connector is reached (as it would announce).
     bootstrap: str | None = None
     engine_id: str | None = Field(None, min_length=1, max_length=MAX_ENGINE_ID)
     side_channel: str | None = None
+    tp_size: int | None = _bound("tp_size")
+    block_size: int | None = _bound("block_size")
+    num_layers: int | None = _bound("num_layers")
+    num_kv_heads: int | None = _bound("num_kv_heads")
+    head_dim: int | None = _bound("head_dim")
+    kv_dtype: str | None = Field(None, min_length=1, max_length=MAX_DTYPE_NAME)
+    is_mla: bool | None = None
+    kv_layout: Literal["NHD", "HND"] | None = None
 
     @model_validator(mode="before")
     @classmethod
@@ -78,11 +108,18 @@ class StaticInstance(BaseModel):
         fields: dict[str, str] = {}
         for part in value.split(","):
             key, sep, item = part.strip().partition("=")
-            known = key in _INSTANCE_KEYS or key in _COORDINATE_KEYS
-            if not sep or not known or key in fields:
+            if not sep or key not in _INSTANCE_KEYS or key in fields:
                 raise ValueError(f"bad instance {value!r}: expected {_INSTANCE_SYNTAX}")
             fields[key] = item
         return fields
+
+    @property
+    def geometry(self) -> Geometry | None:
+        """The geometry fields given, as the registry holds them; None when none is."""
+        given = {key: getattr(self, key) for key in _GEOMETRY_KEYS}
+        if all(value is None for value in given.values()):
+            return None
+        return Geometry(**given)
 
     @model_validator(mode="after")
     def _addresses_valid(self) -> StaticInstance:

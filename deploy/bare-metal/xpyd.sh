@@ -1,6 +1,7 @@
 #!/usr/bin/env bash
-# An xPyD fleet of stock vLLM (P2pNcclConnector) behind pdproxy on GPU hosts: one proxy, x
-# prefill and y decode servers, a `pdproxy announce` sidecar beside each. See README.md here.
+# An xPyD fleet of stock vLLM (NixlConnector, or P2pNcclConnector on the releases that ship it)
+# behind pdproxy on GPU hosts: one proxy, x prefill and y decode servers, a `pdproxy announce`
+# sidecar beside each. See README.md here.
 #
 #   MODEL=/models/Llama-3.1-8B-Instruct PROXY_HOST=10.0.0.1 \
 #   PREFILL=10.0.0.2:0,10.0.0.2:1 DECODE=10.0.0.3:0,10.0.0.3:1 deploy/bare-metal/xpyd.sh --dry-run
@@ -23,14 +24,19 @@ Flags win over the environment variable of the same name:
   PROXY_HOST   the proxy's IP, reachable from every worker (default 127.0.0.1 if all are local)
   TP           tensor-parallel size of every instance (default 1; P2pNccl needs it symmetric)
 Environment only [default]:
+  CONNECTOR [nixl]: nixl = vLLM's NixlConnector (vLLM >= 0.32; its handshake side channel
+    listens on the instance's KV port, which the sidecar announces); p2p_nccl = P2pNcclConnector
+    (only vLLM releases before 0.32 ship it; SEND_TYPE, *_BUFFER_SIZE, MEM_POOL_SIZE_GB are its)
   SERVED_MODEL_NAME [MODEL]  MODEL_CONFIG [MODEL/config.json when MODEL is an absolute path]
   PROXY_PORT [8000]  REGISTRY_PORT [30001]  PREFILL_HTTP_PORT [20001]  PREFILL_KV_PORT [21001]
   DECODE_HTTP_PORT [20101]  DECODE_KV_PORT [22001]: the n-th (from 0) instance of a role on a
     host listens on HTTP_PORT+n and KV_PORT+n*TP; its TP rank r on KV_PORT+n*TP+r
-  BLOCK_SIZE [16]  KV_LAYOUT [NHD]  KV_CACHE_DTYPE [model's]  SEND_TYPE [PUT_ASYNC]
+  BLOCK_SIZE [16]  KV_LAYOUT [HND for nixl, NHD for p2p_nccl]  KV_CACHE_DTYPE [model's]
+  SEND_TYPE [PUT_ASYNC]
   PREFILL_BUFFER_SIZE [1e1]  DECODE_BUFFER_SIZE [8e9]  MEM_POOL_SIZE_GB [vLLM's: 32]
   ANNOUNCE [sidecar]: sidecar = `pdproxy announce` (v1, geometry, load) and vLLM's own v0 pings
     off; vllm = vLLM pings the registry itself (v0: no model, geometry or load), no sidecar
+    (p2p_nccl only: NixlConnector does not announce)
   VLLM_ARGS, then PREFILL_ARGS or DECODE_ARGS: extra words for `vllm serve` (all, one role)
   VLLM_ENV (K=V ...): extra environment of every vLLM; PROXY_ARGS: extra words for pdproxy serve
   VLLM_BIN [vllm]  PDPROXY_BIN [pdproxy]  RUN_DIR [/tmp/pdproxy-xpyd]  SSH [ssh -o BatchMode=yes]
@@ -61,7 +67,11 @@ done
 : "${PREFILL:=}" "${DECODE:=}" "${MODEL:=}" "${PROXY_HOST:=}" "${TP:=1}"
 : "${PROXY_PORT:=8000}" "${REGISTRY_PORT:=30001}" "${PREFILL_HTTP_PORT:=20001}"
 : "${PREFILL_KV_PORT:=21001}" "${DECODE_HTTP_PORT:=20101}" "${DECODE_KV_PORT:=22001}"
-: "${BLOCK_SIZE:=16}" "${KV_LAYOUT:=NHD}" "${KV_CACHE_DTYPE:=}" "${SEND_TYPE:=PUT_ASYNC}"
+: "${CONNECTOR:=nixl}"
+[[ $CONNECTOR =~ ^(nixl|p2p_nccl)$ ]] || die "CONNECTOR must be nixl or p2p_nccl, not '$CONNECTOR'"
+# NIXL transfers whole heads per block: vLLM asks for a head-major cache with it.
+if [[ $CONNECTOR == nixl ]]; then : "${KV_LAYOUT:=HND}"; else : "${KV_LAYOUT:=NHD}"; fi
+: "${BLOCK_SIZE:=16}" "${KV_CACHE_DTYPE:=}" "${SEND_TYPE:=PUT_ASYNC}"
 : "${PREFILL_BUFFER_SIZE:=1e1}" "${DECODE_BUFFER_SIZE:=8e9}" "${MEM_POOL_SIZE_GB:=}"
 : "${ANNOUNCE:=sidecar}" "${VLLM_ARGS:=}" "${VLLM_ENV:=}" "${PROXY_ARGS:=}" "${SSH_USER:=}"
 : "${PREFILL_ARGS:=}" "${DECODE_ARGS:=}"
@@ -82,6 +92,8 @@ for v in PREFILL_BUFFER_SIZE DECODE_BUFFER_SIZE MEM_POOL_SIZE_GB; do
 done
 [[ $SEND_TYPE =~ ^(PUT_ASYNC|PUT|GET)$ ]] || die "SEND_TYPE must be PUT_ASYNC, PUT or GET"
 [[ $ANNOUNCE =~ ^(sidecar|vllm)$ ]] || die "ANNOUNCE must be sidecar or vllm, not '$ANNOUNCE'"
+[[ $CONNECTOR == p2p_nccl || $ANNOUNCE == sidecar ]] ||
+  die "ANNOUNCE=vllm needs CONNECTOR=p2p_nccl: NixlConnector does not announce itself"
 [[ $KV_LAYOUT =~ ^(NHD|HND)$ ]] || die "KV_LAYOUT must be NHD or HND, not '$KV_LAYOUT'"
 [[ -n $PREFILL ]] || die "no prefill instances: set PREFILL (or --prefill) to HOST:GPUS[,...]"
 [[ -n $DECODE ]] || die "no decode instances: set DECODE (or --decode) to HOST:GPUS[,...]"
@@ -175,10 +187,17 @@ add_worker() {  # role (prefill|decode), number, HOST:GPUS
   [[ $ANNOUNCE == sidecar ]] || extra+=",\"proxy_ip\":\"$PROXY_ADDR\",\"proxy_port\":\"$REGISTRY_PORT\""
   local kv_config="{\"kv_connector\":\"P2pNcclConnector\",\"kv_role\":\"$kv_role\","
   kv_config+="\"kv_buffer_size\":\"$buffer\",\"kv_port\":$kv,\"kv_connector_extra_config\":{$extra}}"
+  local -a connector_env=("VLLM_HOST_IP=$host")
+  if [[ $CONNECTOR == nixl ]]; then
+    # NIXL's handshake listens on the side channel (one per instance: its KV port), which the
+    # prefill's answer names to the decode; P2pNcclConnector's keys mean nothing to it.
+    kv_config="{\"kv_connector\":\"NixlConnector\",\"kv_role\":\"$kv_role\"}"
+    connector_env+=("VLLM_NIXL_SIDE_CHANNEL_HOST=$host" "VLLM_NIXL_SIDE_CHANNEL_PORT=$kv")
+  fi
   local role_args=${role^^}_ARGS
   local -a role_extra cmd
   read -ra role_extra <<<"${!role_args}"
-  cmd=(env "CUDA_VISIBLE_DEVICES=$gpus" "VLLM_HOST_IP=$host" VLLM_DISABLE_REQUEST_ID_RANDOMIZATION=1
+  cmd=(env "CUDA_VISIBLE_DEVICES=$gpus" "${connector_env[@]}" VLLM_DISABLE_REQUEST_ID_RANDOMIZATION=1
     ${vllm_env[@]+"${vllm_env[@]}"} "$VLLM_BIN" serve "$MODEL" --host "$host" --port "$http"
     --served-model-name "$SERVED_MODEL_NAME" --tensor-parallel-size "$TP" --block-size "$BLOCK_SIZE")
   [[ -n $KV_CACHE_DTYPE ]] && cmd+=(--kv-cache-dtype "$KV_CACHE_DTYPE")
@@ -189,7 +208,7 @@ add_worker() {  # role (prefill|decode), number, HOST:GPUS
   [[ $ANNOUNCE == sidecar ]] || return 0
   cmd=("$PDPROXY_BIN" announce --role "$announce_role" --http-address "$host:$http"
     --zmq-address "$host:$kv" --registry "$REGISTRY" --model "$SERVED_MODEL_NAME"
-    --connector p2p_nccl --tp-size "$TP" --block-size "$BLOCK_SIZE" --kv-layout "$KV_LAYOUT")
+    --connector "$CONNECTOR" --tp-size "$TP" --block-size "$BLOCK_SIZE" --kv-layout "$KV_LAYOUT")
   [[ -n $MODEL_CONFIG ]] && cmd+=(--model-config "$MODEL_CONFIG")
   [[ -n $KV_CACHE_DTYPE ]] && cmd+=(--kv-dtype "$KV_CACHE_DTYPE")
   SIDECARS+=("$host" "announce-$name" "$(qall "${cmd[@]}")")

@@ -34,6 +34,8 @@ class WorkerSpec:
     token_latency_ms: float = 0.0
     prefill_latency_ms: float = 0.0
     extra_args: tuple[str, ...] = ()
+    # A static worker's further spec keys ("connector=nixl", "tp_size=2"...), after http and zmq.
+    static_keys: tuple[str, ...] = ()
 
 
 @dataclass
@@ -58,7 +60,9 @@ class Worker:
 
     def static_flag(self) -> list[str]:
         flag = "--prefill" if self.spec.role == "P" else "--decode"
-        spec = f"http={self.http_address},zmq={self.zmq_address}"
+        spec = ",".join(
+            (f"http={self.http_address}", f"zmq={self.zmq_address}", *self.spec.static_keys)
+        )
         return [flag, spec]
 
     def requests(self) -> list[dict[str, Any]]:

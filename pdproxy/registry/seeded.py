@@ -1,6 +1,7 @@
 """The registry table as a proxy starts it: empty but for the instances configured statically
-(`--prefill`/`--decode`), each one known to the metrics; with a registry secret, unsigned
-instances have their own cap (Settings.unsigned_instance_cap)."""
+(`--prefill`/`--decode`, with the connector and geometry the operator gave, so that they are
+paired by the same rules as announced ones), each one known to the metrics; with a registry
+secret, unsigned instances have their own cap (Settings.unsigned_instance_cap)."""
 
 from __future__ import annotations
 
@@ -25,6 +26,7 @@ def static_instances(settings: Settings) -> list[Instance]:
             max_model_len=spec.max_model_len,
             connector=spec.connector,
             coordinates=spec.coordinates,
+            geometry=spec.geometry,
         )
         for role, spec in configured
     ]

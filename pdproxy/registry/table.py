@@ -279,7 +279,7 @@ class RegistryTable:
     @staticmethod
     def _merge_static(static: Instance, incoming: Instance) -> Instance:
         """Static instances are the operator's word: an announcement may add what the operator
-        left out (model, geometry, load) but may not move or rename them."""
+        left out (model, connector, geometry, load) but may not move or rename them."""
         model_conflict = static.model is not None and incoming.model not in (None, static.model)
         if (incoming.role, incoming.zmq_address) != (static.role, static.zmq_address) or (
             model_conflict
@@ -294,6 +294,8 @@ class RegistryTable:
             source=Source.STATIC,
             model=static.model or incoming.model,
             max_model_len=static.max_model_len or incoming.max_model_len,
+            connector=static.connector or incoming.connector,
+            geometry=static.geometry or incoming.geometry,
         )
 
     def remove(

@@ -24,7 +24,7 @@ from typing import Any
 
 from pdproxy.base.roles import WIRE_LETTERS, Role
 from pdproxy.ids import AddressError, parse_address
-from pdproxy.registry.messages import MAX_DTYPE_NAME, Geometry, known_fields
+from pdproxy.registry.messages import MAX_DTYPE_NAME, Connector, Geometry, known_fields
 from pdproxy.vllm_side.announcement import WorkerIdentity, context_length
 from pdproxy.vllm_side.announcer import DEFAULT_INTERVAL_S, Announcer, LoadSample
 from pdproxy.vllm_side.fanout import FanOutClient, announce_resolver
@@ -34,7 +34,8 @@ from pdproxy.vllm_side.vllm_metrics import MetricsFormatError, load_from_metrics
 
 log = logging.getLogger("pdproxy.announce")
 
-CONNECTOR_KINDS = ("p2p_nccl", "nixl", "pdproxy")
+# Every kind the registry knows: a kind added there is announceable without a change here.
+CONNECTOR_KINDS = tuple(kind.value for kind in Connector)
 MAX_METRICS_BYTES = 8 * 1024 * 1024  # a /metrics page larger than this is not vLLM's
 MAX_MODELS_BYTES = 1024 * 1024  # nor a /v1/models list larger than this
 

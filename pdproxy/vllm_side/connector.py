@@ -57,6 +57,9 @@ from pdproxy.vllm_side.stats_reporter import StatsReporter
 from pdproxy.vllm_side.vllm_geometry import geometry_from_vllm_config
 
 log = logging.getLogger("pdproxy.vllm_side")
+# Under vLLM's logger: vLLM gives it a handler at VLLM_LOGGING_LEVEL, so what an operator must
+# see (the address announced) reaches vLLM's log; pdproxy's own loggers have no handler there.
+vllm_log = logging.getLogger("vllm.pdproxy_connector")
 
 
 @dataclass
@@ -133,7 +136,13 @@ class PdproxyConnector(KVConnectorBase_V1):  # type: ignore[misc]
             client, identity, self._sample, settings.announce_interval_s, secret=secret
         )
         announcer.start()
-        log.info("pdproxy connector: announcing %s to %s", identity.http_address, settings.registry)
+        vllm_log.info(
+            "pdproxy connector: announcing http %s, zmq %s (host from %s) to %s",
+            identity.http_address,
+            identity.zmq_address,
+            settings.host_origin,
+            settings.registry,
+        )
         return announcer
 
     def _sample(self) -> LoadSample:

@@ -7,7 +7,8 @@ resolves to (each proxy replica behind a headless Service) gets the announcement
 dropped the top-level kv_ip; where it still exists it is honoured. pdproxy's own extra keys:
 
 - advertise_host (or kv_ip): the address peers and the proxy reach this instance at (default:
-  kv_ip, else this host's address as vLLM itself finds it);
+  kv_ip, else the local address of this host's route to the registry, else this host's address
+  as vLLM itself finds it);
 - connector_kind: the kind announced to the registry (default "pdproxy");
 - announce_interval: seconds between announcements (default 3);
 - record_path: a JSON-lines file recording what the engine showed the connector (tests);
@@ -26,12 +27,19 @@ dropped the top-level kv_ip; where it still exists it is honoured. pdproxy's own
 
 from __future__ import annotations
 
+from collections.abc import Callable
 from dataclasses import dataclass
 from pathlib import Path
 from typing import Any
 
 from pdproxy.base.roles import Role
 from pdproxy.vllm_side.announcer import DEFAULT_INTERVAL_S
+from pdproxy.vllm_side.route import local_address_towards
+
+# Where the advertised host came from (logged with it).
+HOST_CONFIGURED = "configured"
+HOST_ROUTE = "route to the registry"
+HOST_DEFAULT = "this host's address"
 
 ROLE_BY_KV_ROLE: dict[str, Role] = {"kv_producer": Role.PREFILL, "kv_consumer": Role.DECODE}
 DEFAULT_KV_PORT = 14579  # vLLM's KVTransferConfig default
@@ -59,6 +67,7 @@ class ConnectorSettings:
     kv_send_timeout_s: float = 10.0
     kv_send_queue_bytes: int = 1 << 30
     kv_send_delay_s: float = 0.0
+    host_origin: str = HOST_CONFIGURED  # which rule chose `host`
 
     @property
     def zmq_address(self) -> str:
@@ -79,7 +88,10 @@ def connector_settings(
     kv_port: int | None,
     extra: dict[str, Any] | None,
     default_host: str,
+    route: Callable[[str, int], str | None] = local_address_towards,
 ) -> ConnectorSettings:
+    """`default_host`: the host advertised when none is configured and there is no registry
+    (or no route to it); `route`: the local address of the route to a registry host and port."""
     extra = dict(extra or {})
     role = ROLE_BY_KV_ROLE.get(kv_role or "")
     proxy_ip, proxy_port = extra.get("proxy_ip"), extra.get("proxy_port")
@@ -88,6 +100,12 @@ def connector_settings(
     if proxy_ip is not None and not str(proxy_ip).strip():
         raise ConnectorConfigError("proxy_ip must not be empty")
     registry = None if proxy_ip is None else f"{proxy_ip}:{_port(proxy_port, 'proxy_port')}"
+    configured = extra.get("advertise_host") or extra.get("kv_ip") or kv_ip
+    if configured:
+        host, origin = str(configured), HOST_CONFIGURED
+    else:
+        routed = None if proxy_ip is None else route(str(proxy_ip), _port(proxy_port, "proxy_port"))
+        host, origin = (routed, HOST_ROUTE) if routed else (default_host, HOST_DEFAULT)
     http_port = extra.get("http_port")
     record_path = extra.get("record_path")
     secret_file = extra.get("registry_secret_file")
@@ -96,7 +114,8 @@ def connector_settings(
     interval = _seconds(extra.get("announce_interval", DEFAULT_INTERVAL_S), "announce_interval")
     return ConnectorSettings(
         role=role,
-        host=str(extra.get("advertise_host") or extra.get("kv_ip") or kv_ip or default_host),
+        host=host,
+        host_origin=origin,
         kv_port=_port(DEFAULT_KV_PORT if kv_port is None else kv_port, "kv_port"),
         http_port=None if http_port is None else _port(http_port, "http_port"),
         registry=registry,

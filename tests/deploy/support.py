@@ -50,7 +50,12 @@ def _with_pdproxy_connector(values: dict[str, Any]) -> dict[str, Any]:
     registry = {"existingSecret": "pdproxy-registry", "key": "hmac"}
     return {
         **values,
-        "fleet": {**values["fleet"], "connector": "PdproxyConnector"},
+        # It announces itself: no sidecar.
+        "fleet": {
+            **values["fleet"],
+            "connector": "PdproxyConnector",
+            "announce": {"enabled": False},
+        },
         "auth": {**values.get("auth", {}), "registrySecret": registry},
     }
 

@@ -1,4 +1,5 @@
-"""deploy/bare-metal/xpyd.sh: the xPyD recipe for stock vLLM with P2pNcclConnector.
+"""deploy/bare-metal/xpyd.sh: the xPyD recipe for stock vLLM with NixlConnector (the default,
+vLLM >= 0.32) or P2pNcclConnector (CONNECTOR=p2p_nccl, the releases that ship it).
 
 No GPU here, so most tests read what `--dry-run` prints (one line per process, `[HOST] NAME:
 COMMAND`) and check it the way the fleet would: pdproxy's own parser takes every pdproxy command,
@@ -129,7 +130,15 @@ LAYOUTS: dict[str, dict[str, str]] = {
 
 
 def layout_env(name: str, **extra: str) -> dict[str, str]:
-    return {"MODEL": "/models/llama-3.1-8b", "PROXY_HOST": PROXY, **LAYOUTS[name], **extra}
+    """The layout with P2pNcclConnector, whose keys most tests check; NIXL's own tests say
+    CONNECTOR=nixl (or leave it to the default)."""
+    return {
+        "MODEL": "/models/llama-3.1-8b",
+        "PROXY_HOST": PROXY,
+        "CONNECTOR": "p2p_nccl",
+        **LAYOUTS[name],
+        **extra,
+    }
 
 
 def counts(name: str) -> tuple[int, int]:
@@ -272,6 +281,40 @@ def test_each_sidecar_announces_its_own_server_to_the_proxys_registry(
         assert args.kv_layout == "NHD"
         # MODEL is a path: its config.json gives the sidecar layers, heads, head_dim, dtype.
         assert args.model_config == Path("/models/llama-3.1-8b/config.json")
+
+
+@pytest.mark.parametrize("name", LAYOUTS)
+def test_nixl_is_the_default_connector(name: str) -> None:
+    """Without CONNECTOR every server runs vLLM's NixlConnector with its handshake side channel
+    on its host and KV port, which its sidecar announces as the instance's zmq address (the
+    request id and pairing name it), with NIXL's head-major layout."""
+    env = {k: v for k, v in layout_env(name).items() if k != "CONNECTOR"}
+    run = xpyd("--dry-run", env=env)
+    assert run.returncode == 0, run.stderr
+    procs = {p.name: p for p in run.procs}
+    servers = vllm_servers(run)
+    assert len(servers) == sum(counts(name))
+    for server in servers:
+        config = kv_config(server)
+        role = "kv_producer" if server.name.startswith("prefill-") else "kv_consumer"
+        assert config == {"kv_connector": "NixlConnector", "kv_role": role}
+        side_channel = f"{server.env['VLLM_NIXL_SIDE_CHANNEL_HOST']}:"
+        side_channel += server.env["VLLM_NIXL_SIDE_CHANNEL_PORT"]
+        args = parse_pdproxy(procs[f"announce-{server.name}"].argv)
+        assert args.connector == "nixl" and args.kv_layout == "HND"
+        assert args.zmq_address == side_channel
+        assert server.env["VLLM_NIXL_SIDE_CHANNEL_HOST"] == server.host
+    ports = [(s.host, s.env["VLLM_NIXL_SIDE_CHANNEL_PORT"]) for s in servers]
+    assert len(set(ports)) == len(ports), "two side channels on one port of one host"
+
+
+def test_nixl_needs_the_sidecar() -> None:
+    env = {k: v for k, v in layout_env("1p3d", ANNOUNCE="vllm").items() if k != "CONNECTOR"}
+    run = xpyd("--dry-run", env=env)
+    assert run.returncode == 2 and run.stdout == ""
+    assert "NixlConnector does not announce itself" in run.stderr
+    refused = xpyd("--dry-run", env=layout_env("1p3d", CONNECTOR="lmcache"))
+    assert refused.returncode == 2 and "CONNECTOR must be nixl or p2p_nccl" in refused.stderr
 
 
 def test_announce_vllm_mode_points_vllms_own_pings_at_the_registry() -> None:
@@ -580,7 +623,7 @@ def test_a_local_fleet_starts_pairs_and_stops_by_pid_files(
     instances = http_json(base + "/v1/instances")["instances"]
     for instance in instances:
         assert instance["source"] == "v1" and instance["healthy"] is True
-        assert instance["model"] == "tiny" and instance["connector"] == "p2p_nccl"
+        assert instance["model"] == "tiny" and instance["connector"] == "nixl"  # the default
         assert instance["geometry"]["num_layers"] == 4
         assert instance["load"]["waiting"] == 1
     pairs = http_json(base + "/v1/instances/pairs")["prefills"]
@@ -627,7 +670,7 @@ RECORDER = """\
 #!{python}
 import json, os, sys, time
 keys = ("CUDA_VISIBLE_DEVICES", "VLLM_HOST_IP", "VLLM_DISABLE_REQUEST_ID_RANDOMIZATION",
-        "NCCL_SOCKET_IFNAME")
+        "NCCL_SOCKET_IFNAME", "VLLM_NIXL_SIDE_CHANNEL_HOST", "VLLM_NIXL_SIDE_CHANNEL_PORT")
 record = {{"argv": sys.argv[1:], "env": {{k: os.environ[k] for k in keys if k in os.environ}}}}
 with open(os.path.join(os.environ["RECORDS"], f"{{os.getpid()}}.json"), "w") as out:
     json.dump(record, out)

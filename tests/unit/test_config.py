@@ -4,6 +4,7 @@ the field."""
 from __future__ import annotations
 
 import argparse
+import dataclasses
 import re
 from collections.abc import Sequence
 from pathlib import Path
@@ -16,7 +17,10 @@ from pdproxy.base.roles import Role
 from pdproxy.cli import build_parser
 from pdproxy.config import ENV_PREFIX, ConfigError, Settings, StaticInstance, load_settings
 from pdproxy.ids import Address
+from pdproxy.registry.messages import GEOMETRY_LIMITS, Connector, Geometry
 from pdproxy.registry.seeded import static_instances
+
+GEOMETRY_FIELDS = tuple(f.name for f in dataclasses.fields(Geometry))
 
 P1 = "http=10.0.0.1:8100,zmq=10.0.0.1:21001"
 P2 = "http=10.0.0.2:8100,zmq=10.0.0.2:21001,model=m"
@@ -614,3 +618,72 @@ def test_static_spec_may_declare_its_max_model_len(tmp_path: Path) -> None:
 def test_bad_static_max_model_len(value: str) -> None:
     message = config_error(["--decode", f"{D1},max_model_len={value}"])
     assert "max_model_len" in message
+
+
+GEOMETRY_TEXT = (
+    "tp_size=2,block_size=16,num_layers=32,num_kv_heads=8,head_dim=128,kv_dtype=bfloat16,"
+    "is_mla=false,kv_layout=HND"
+)
+
+
+@pytest.mark.parametrize("connector", list(Connector))
+def test_static_spec_may_declare_connector_and_geometry(
+    tmp_path: Path, connector: Connector
+) -> None:
+    """A fleet that does not announce still tells the proxy what an announcement would: the
+    connector of every kind and the geometry, on the command line and in YAML alike."""
+    settings = load(["--prefill", f"{P1},connector={connector.value},{GEOMETRY_TEXT}"])
+    expected = Geometry(2, 16, 32, 8, 128, "bfloat16", False, "HND")
+    (spec,) = settings.prefill
+    assert (spec.connector, spec.geometry) == (connector, expected)
+    path = yaml_file(
+        tmp_path,
+        "decode:\n  - {http: '10.0.1.1:8200', zmq: '10.0.1.1:22001', "
+        f"connector: {connector.value}, tp_size: 2, block_size: 16, num_layers: 32, "
+        "num_kv_heads: 8, head_dim: 128, kv_dtype: bfloat16, is_mla: false, kv_layout: HND}\n",
+    )
+    (yaml_spec,) = load(["--config", path]).decode
+    assert (yaml_spec.connector, yaml_spec.geometry) == (connector, expected)
+    # The table the proxy starts with carries both, as an announcement's instance would.
+    (prefill,) = static_instances(settings)
+    assert (prefill.connector, prefill.geometry) == (connector, expected)
+
+
+def test_static_spec_geometry_is_partial_or_absent() -> None:
+    settings = load(["--prefill", f"{P1},tp_size=4", "--decode", D1])
+    assert settings.prefill[0].geometry == Geometry(tp_size=4)
+    assert settings.prefill[0].connector is None
+    assert settings.decode[0].geometry is None
+
+
+@pytest.mark.parametrize(
+    "extra",
+    [
+        "connector=p2p",  # not a kind
+        "connector=",
+        "tp_size=0",
+        f"tp_size={GEOMETRY_LIMITS['tp_size'] + 1}",
+        "block_size=1.5",
+        "num_layers=x",
+        "head_dim=-1",
+        "kv_layout=XYZ",
+        "is_mla=maybe",
+        "kv_dtype=",
+        f"kv_dtype={'x' * 33}",
+        "tp_size=2,tp_size=2",
+    ],
+)
+def test_bad_static_connector_or_geometry(extra: str) -> None:
+    message = config_error(["--decode", f"{D1},{extra}"])
+    assert re.search(r"\bdecode\b", message)
+    key = extra.partition("=")[0]
+    assert key in message
+
+
+def test_static_syntax_names_every_key() -> None:
+    """The help text (and the README table made from it) lists every key a spec accepts."""
+    description = Settings.model_fields["prefill"].description or ""
+    for key in ("model", "max_model_len", "connector", *GEOMETRY_FIELDS):
+        assert f"{key}" in description, key
+    for connector in Connector:
+        assert connector.value in description

@@ -792,3 +792,22 @@ def test_a_static_max_model_len_is_the_operators_word() -> None:
     t.add_static(static(2, model="m"), now=0.0)  # none configured: the announced one
     announced = dataclasses.replace(v1(2), max_model_len=4096)
     assert t.announce(announced, now=1.0)[1].max_model_len == 4096
+
+
+def test_a_static_connector_and_geometry_are_the_operators_word() -> None:
+    declared = Geometry(tp_size=2, block_size=16)
+    t = table()
+    t.add_static(
+        dataclasses.replace(static(1, model="m"), connector=Connector.NIXL, geometry=declared),
+        now=0.0,
+    )
+    announced = dataclasses.replace(
+        v1(1), connector=Connector.PDPROXY, geometry=Geometry(tp_size=4, block_size=128)
+    )
+    instance = t.announce(announced, now=1.0)[1]
+    assert (instance.connector, instance.geometry) == (Connector.NIXL, declared)
+    t.add_static(static(2, model="m"), now=0.0)  # none declared: the announced ones
+    instance = t.announce(
+        dataclasses.replace(announced, http_address=http(2), zmq_address=zmq(2)), now=1.0
+    )[1]
+    assert (instance.connector, instance.geometry) == (Connector.PDPROXY, announced.geometry)

@@ -4,6 +4,7 @@ geometry from a (duck-typed) VllmConfig."""
 
 from __future__ import annotations
 
+import argparse
 import dataclasses
 import enum
 import logging
@@ -17,16 +18,28 @@ from hypothesis import given, settings
 from hypothesis import strategies as st
 
 from pdproxy.base.roles import Role
-from pdproxy.registry.messages import Announcement, Geometry, Load, decode_frame, known_fields
+from pdproxy.registry.messages import (
+    Announcement,
+    Connector,
+    Geometry,
+    Load,
+    decode_frame,
+    known_fields,
+)
+from pdproxy.vllm_side.announce import add_cli, build_identity
 from pdproxy.vllm_side.announcement import WorkerIdentity, announce_message
 from pdproxy.vllm_side.announcer import DEFAULT_INTERVAL_S
 from pdproxy.vllm_side.connector_settings import (
     DEFAULT_KV_PORT,
+    HOST_CONFIGURED,
+    HOST_DEFAULT,
+    HOST_ROUTE,
     ConnectorConfigError,
     connector_settings,
 )
 from pdproxy.vllm_side.load_tracker import LoadTracker
 from pdproxy.vllm_side.model_config import ModelConfigError, geometry_from_model_config
+from pdproxy.vllm_side.route import local_address_towards
 from pdproxy.vllm_side.vllm_geometry import geometry_from_vllm_config, kv_dtype_name, layout_name
 from pdproxy.vllm_side.vllm_metrics import MetricsFormatError, load_from_metrics
 
@@ -37,8 +50,14 @@ PROFILE = settings(derandomize=True, database=None, deadline=None)
 REGISTRY = {"proxy_ip": "10.0.0.1", "proxy_port": 30001, "http_port": 8100}
 
 
+def no_route(host: str, port: int) -> None:
+    """A host with no route to the registry: the default host is advertised."""
+
+
 def test_kv_producer_is_a_prefill_that_announces() -> None:
-    s = connector_settings("kv_producer", None, 21001, REGISTRY, default_host="10.0.0.9")
+    s = connector_settings(
+        "kv_producer", None, 21001, REGISTRY, default_host="10.0.0.9", route=no_route
+    )
     assert s.role is Role.PREFILL
     assert s.registry == "10.0.0.1:30001"
     assert s.announces is True
@@ -89,10 +108,41 @@ def test_defaults() -> None:
     ],
 )
 def test_host_precedence(extra: dict[str, Any], kv_ip: str | None, host: str) -> None:
-    s = connector_settings("kv_producer", kv_ip, 21001, {**REGISTRY, **extra}, "default")
+    s = connector_settings(
+        "kv_producer", kv_ip, 21001, {**REGISTRY, **extra}, "default", route=no_route
+    )
     assert s.host == host
     assert s.zmq_address == f"{host}:21001"
     assert s.http_address == f"{host}:8100"
+
+
+def test_unconfigured_host_is_the_local_end_of_the_route_to_the_registry() -> None:
+    asked: list[tuple[str, int]] = []
+
+    def route(host: str, port: int) -> str:
+        asked.append((host, port))
+        return "10.0.0.5"
+
+    s = connector_settings("kv_producer", None, 21001, REGISTRY, "default", route=route)
+    assert asked == [("10.0.0.1", 30001)]
+    assert (s.host, s.host_origin) == ("10.0.0.5", HOST_ROUTE)
+    assert s.http_address == "10.0.0.5:8100"
+    # A configured host wins; without a registry there is no route to ask for.
+    configured = {**REGISTRY, "advertise_host": "adv"}
+    s = connector_settings("kv_producer", None, 21001, configured, "default", route=route)
+    assert (s.host, s.host_origin) == ("adv", HOST_CONFIGURED)
+    s = connector_settings("kv_producer", None, 21001, {"http_port": 8100}, "default", route=route)
+    assert (s.host, s.host_origin) == ("default", HOST_DEFAULT)
+    assert asked == [("10.0.0.1", 30001)]
+
+
+def test_a_registry_on_loopback_is_reached_from_loopback() -> None:
+    # The real lookup: a single-host setup announces the address its servers listen on.
+    extra = {"proxy_ip": "127.0.0.1", "proxy_port": 30001, "http_port": 8100}
+    s = connector_settings("kv_producer", None, 21001, extra, "192.0.2.7")
+    assert (s.host, s.host_origin) == ("127.0.0.1", HOST_ROUTE)
+    assert local_address_towards("localhost", 30001) in ("127.0.0.1", "::1")
+    assert local_address_towards("no-such-host.invalid", 30001) is None
 
 
 @pytest.mark.parametrize(
@@ -719,3 +769,23 @@ def test_mla_config() -> None:
     )
     geometry = geometry_from_vllm_config(config)
     assert (geometry.is_mla, geometry.num_kv_heads, geometry.head_dim) == (True, 1, 576)
+
+
+def sidecar_args(*argv: str) -> argparse.Namespace:
+    parser = argparse.ArgumentParser()
+    add_cli(parser.add_subparsers())
+    base = ["announce", "--role", "P", "--http-address", "h:1", "--zmq-address", "h:2"]
+    return parser.parse_args([*base, "--registry", "r:3", *argv])
+
+
+@pytest.mark.parametrize("kind", list(Connector))
+def test_the_sidecar_announces_every_connector_kind_the_registry_knows(kind: Connector) -> None:
+    identity = build_identity(sidecar_args("--connector", kind.value))
+    decoded = decode_frame(msgpack.packb(announce_message(identity)))
+    assert isinstance(decoded, Announcement) and decoded.connector is kind
+
+
+def test_the_sidecar_refuses_an_unknown_connector_kind(capsys: pytest.CaptureFixture[str]) -> None:
+    with pytest.raises(SystemExit):
+        sidecar_args("--connector", "P2pNcclConnector")
+    assert "--connector" in capsys.readouterr().err

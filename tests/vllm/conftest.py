@@ -112,8 +112,17 @@ def real_stack(
     proxy.start()
     try:
         p_http, p_kv, d_http, d_kv = free_ports(4)
+        # The prefill advertises no host: its connector finds 127.0.0.1, its route to the
+        # registry (test_registry_real checks what it announced).
         prefill = VllmServer(
-            "vllm-P0", "kv_producer", p_http, p_kv, work, proxy.registry_address, cpu="0"
+            "vllm-P0",
+            "kv_producer",
+            p_http,
+            p_kv,
+            work,
+            proxy.registry_address,
+            cpu="0",
+            advertise_host=None,
         )
         decode = VllmServer(
             "vllm-D0", "kv_consumer", d_http, d_kv, work, proxy.registry_address, cpu="1"

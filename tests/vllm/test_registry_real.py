@@ -58,6 +58,11 @@ def test_connector_announces_real_geometry(real_stack: RealStack) -> None:
         assert item["load"]["running"] == 0
     announced = [r for r in real_stack.prefill.records() if r["event"] == "announcing"]
     assert announced and announced[0]["geometry"] == REAL_GEOMETRY
+    # The prefill was given no advertise_host: it announced the local end of its route to the
+    # registry (loopback here), not the host's first interface address, and logged it.
+    assert announced[0]["zmq_address"] == real_stack.prefill.zmq_address
+    log = real_stack.prefill.log_path.read_text(errors="replace")
+    assert f"zmq {real_stack.prefill.zmq_address} (host from route to the registry)" in log
 
 
 def test_stopped_vllm_server_leaves_the_registry_within_the_ttl(

@@ -201,7 +201,8 @@ that rounded up plus 10 seconds, or the value given, which must be larger than d
 
 {{/* The connector name pdproxy's v1 announcement uses for fleet.connector. */}}
 {{- define "pdproxy.announceConnector" -}}
-{{- if eq .Values.fleet.connector "PdproxyConnector" }}pdproxy{{ else }}p2p_nccl{{ end }}
+{{- $kinds := dict "PdproxyConnector" "pdproxy" "NixlConnector" "nixl" "P2pNcclConnector" "p2p_nccl" }}
+{{- index $kinds .Values.fleet.connector }}
 {{- end }}
 
 {{/*
@@ -211,7 +212,8 @@ proxy_ip + ":" + proxy_port); they are left out when the announce sidecar announ
 Top-level keys are only those every supported vLLM accepts (its config forbids unknown keys;
 vLLM 0.32 has no kv_ip and no kv_buffer_size): the pod IP goes in kv_connector_extra_config as
 kv_ip (pdproxy's connector announces it; P2pNcclConnector uses VLLM_HOST_IP), and
-kv_buffer_size is sent to P2pNcclConnector only, which reads it.
+kv_buffer_size is sent to P2pNcclConnector only, which reads it. NixlConnector reads none of
+the extra keys (its side channel comes from VLLM_NIXL_SIDE_CHANNEL_HOST/PORT, set in fleet.yaml).
 */}}
 {{- define "pdproxy.kvTransferConfig" -}}
 {{- $root := index . 0 }}
@@ -233,7 +235,7 @@ kv_buffer_size is sent to P2pNcclConnector only, which reads it.
   "kv_connector_extra_config" $extra }}
 {{- if eq $fleet.connector "PdproxyConnector" }}
 {{- $_ := set $config "kv_connector_module_path" "pdproxy.vllm_side.connector" }}
-{{- else }}
+{{- else if eq $fleet.connector "P2pNcclConnector" }}
 {{- $_ := set $config "kv_buffer_size" (toString $spec.kvBufferSize) }}
 {{- end }}
 {{- toJson $config }}
