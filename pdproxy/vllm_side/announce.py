@@ -24,7 +24,15 @@ from typing import Any
 
 from pdproxy.base.roles import WIRE_LETTERS, Role
 from pdproxy.ids import AddressError, parse_address
-from pdproxy.registry.messages import MAX_DTYPE_NAME, Connector, Geometry, known_fields
+from pdproxy.registry.messages import (
+    MAX_DTYPE_NAME,
+    MAX_ENGINE_ID,
+    Connector,
+    Geometry,
+    KvCoordinates,
+    known_fields,
+    missing_coordinates,
+)
 from pdproxy.vllm_side.announcement import WorkerIdentity, context_length
 from pdproxy.vllm_side.announcer import DEFAULT_INTERVAL_S, Announcer, LoadSample
 from pdproxy.vllm_side.fanout import FanOutClient, announce_resolver
@@ -127,6 +135,17 @@ def add_cli(commands: Any) -> None:
     )
     parser.add_argument("--model", help="the served model name")
     parser.add_argument("--connector", choices=CONNECTOR_KINDS, default="p2p_nccl")
+    coordinates = parser.add_argument_group(
+        "where a prefill's connector is reached (mooncake: --bootstrap; nixl_push: --engine-id "
+        "and --side-channel)"
+    )
+    coordinates.add_argument(
+        "--bootstrap", help="mooncake: the prefill's bootstrap server, HOST:PORT"
+    )
+    coordinates.add_argument("--engine-id", help="nixl_push: the prefill's NIXL engine id")
+    coordinates.add_argument(
+        "--side-channel", help="nixl_push: the prefill's NIXL side channel, HOST:PORT"
+    )
     parser.add_argument("--model-config", type=Path, help="the model's config.json")
     parser.add_argument("--tp-size", type=_positive_int)
     parser.add_argument("--block-size", type=_positive_int)
@@ -155,12 +174,16 @@ def add_cli(commands: Any) -> None:
 
 
 def build_identity(args: argparse.Namespace) -> WorkerIdentity:
-    for name in ("http_address", "zmq_address", "registry"):
+    for name in ("http_address", "zmq_address", "registry", "bootstrap", "side_channel"):
+        text = getattr(args, name, None)
+        if text is None:
+            continue
         try:
-            parse_address(getattr(args, name))
+            parse_address(text)
         except AddressError as exc:
             raise ValueError(f"--{name.replace('_', '-')}: {exc}") from None
     geometry = _geometry(args)
+    coordinates = _coordinates(args)
     if args.max_model_len is not None and context_length(args.max_model_len) is None:
         # The registry would refuse every announcement: say so now.
         raise ValueError(f"--max-model-len {args.max_model_len} is beyond any real context")
@@ -172,7 +195,32 @@ def build_identity(args: argparse.Namespace) -> WorkerIdentity:
         connector=args.connector,
         geometry=geometry,
         max_model_len=args.max_model_len,
+        coordinates=coordinates,
     )
+
+
+def _coordinates(args: argparse.Namespace) -> KvCoordinates | None:
+    """Where the prefill's connector is reached; refused now when its kind needs more (the
+    registry would refuse every announcement)."""
+    bootstrap, engine_id, side_channel = args.bootstrap, args.engine_id, args.side_channel
+    if engine_id is not None and not 0 < len(engine_id) <= MAX_ENGINE_ID:
+        raise ValueError(f"--engine-id must be 1 to {MAX_ENGINE_ID} characters")
+    given = (bootstrap, engine_id, side_channel)
+    coordinates = (
+        None
+        if all(value is None for value in given)
+        else KvCoordinates(
+            bootstrap=None if bootstrap is None else parse_address(bootstrap),
+            engine_id=engine_id,
+            side_channel=None if side_channel is None else parse_address(side_channel),
+        )
+    )
+    if Role.from_wire(args.role) is Role.PREFILL:
+        missing = missing_coordinates(Connector(args.connector), coordinates)
+        if missing:
+            flags = ", ".join(f"--{name.replace('_', '-')}" for name in missing.split(", "))
+            raise ValueError(f"a {args.connector} prefill needs {flags}")
+    return coordinates
 
 
 def registry_secret(args: argparse.Namespace, environ: Mapping[str, str]) -> bytes | None:

@@ -626,13 +626,21 @@ GEOMETRY_TEXT = (
 )
 
 
+# What a prefill of each kind must say besides: where its connector is reached.
+PREFILL_COORDINATES = {
+    Connector.MOONCAKE: ",bootstrap=10.0.0.1:8998",
+    Connector.NIXL_PUSH: ",engine_id=engine-1,side_channel=10.0.0.1:5600",
+}
+
+
 @pytest.mark.parametrize("connector", list(Connector))
 def test_static_spec_may_declare_connector_and_geometry(
     tmp_path: Path, connector: Connector
 ) -> None:
     """A fleet that does not announce still tells the proxy what an announcement would: the
     connector of every kind and the geometry, on the command line and in YAML alike."""
-    settings = load(["--prefill", f"{P1},connector={connector.value},{GEOMETRY_TEXT}"])
+    coordinates = PREFILL_COORDINATES.get(connector, "")
+    settings = load(["--prefill", f"{P1},connector={connector.value},{GEOMETRY_TEXT}{coordinates}"])
     expected = Geometry(2, 16, 32, 8, 128, "bfloat16", False, "HND")
     (spec,) = settings.prefill
     assert (spec.connector, spec.geometry) == (connector, expected)

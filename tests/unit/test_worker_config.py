@@ -778,11 +778,38 @@ def sidecar_args(*argv: str) -> argparse.Namespace:
     return parser.parse_args([*base, "--registry", "r:3", *argv])
 
 
+# What a prefill of each kind tells the registry besides: where its connector is reached.
+SIDECAR_COORDINATES: dict[Connector, tuple[str, ...]] = {
+    Connector.MOONCAKE: ("--bootstrap", "h:8998"),
+    Connector.NIXL_PUSH: ("--engine-id", "engine-1", "--side-channel", "h:5600"),
+}
+
+
 @pytest.mark.parametrize("kind", list(Connector))
 def test_the_sidecar_announces_every_connector_kind_the_registry_knows(kind: Connector) -> None:
-    identity = build_identity(sidecar_args("--connector", kind.value))
+    coordinates = SIDECAR_COORDINATES.get(kind, ())
+    identity = build_identity(sidecar_args("--connector", kind.value, *coordinates))
     decoded = decode_frame(msgpack.packb(announce_message(identity)))
     assert isinstance(decoded, Announcement) and decoded.connector is kind
+    if coordinates:
+        assert decoded.coordinates is not None
+        if kind is Connector.MOONCAKE:
+            assert str(decoded.coordinates.bootstrap) == "h:8998"
+        else:
+            assert decoded.coordinates.engine_id == "engine-1"
+            assert str(decoded.coordinates.side_channel) == "h:5600"
+
+
+@pytest.mark.parametrize(
+    ("kind", "named"),
+    [(Connector.MOONCAKE, "--bootstrap"), (Connector.NIXL_PUSH, "--engine-id, --side-channel")],
+)
+def test_the_sidecar_refuses_a_prefill_without_its_kinds_coordinates(
+    kind: Connector, named: str
+) -> None:
+    # The registry would refuse every announcement of it: said once, at start, with the flags.
+    with pytest.raises(ValueError, match=f"a {kind.value} prefill needs {named}"):
+        build_identity(sidecar_args("--connector", kind.value))
 
 
 def test_the_sidecar_refuses_an_unknown_connector_kind(capsys: pytest.CaptureFixture[str]) -> None:
