@@ -422,22 +422,26 @@ def test_incompatible_reason_is_only_about_decodes_of_the_model() -> None:
 
 
 def test_direct_only_picks_decodes_that_compute_locally() -> None:
+    # A request without kv_transfer_params (or an untagged id) is computed by NIXL, Mooncake
+    # and pdproxy decodes; a stock P2pNccl consumer would wait for KV that never comes.
     decodes = (
         dec(1, geo(2), NIXL),
         dec(2, geo(2), P2P),
         dec(3, geo(2), PDPROXY),
         dec(4, geo(2), None),
         v0_dec(5),
+        dec(6, geo(2), Connector.MOONCAKE),
+        dec(7, geo(2), Connector.NIXL_PUSH),
     )
     snapshot = Snapshot(1, (pre(1, geo(2), None),), decodes)
     planner = rr()
     chosen = []
-    for _ in range(10):
+    for _ in range(20):
         result = planner.plan_direct(snapshot, rq())
         assert isinstance(result, Direct)
         chosen.append(result.decode)
-    assert Counter(chosen) == {decodes[0]: 5, decodes[2]: 5}
-    assert {NIXL, PDPROXY} == LOCAL_COMPUTE
+    assert Counter(chosen) == {decodes[i]: 5 for i in (0, 2, 5, 6)}
+    assert {NIXL, PDPROXY, Connector.MOONCAKE, Connector.NIXL_PUSH} == LOCAL_COMPUTE
 
 
 @pytest.mark.parametrize(
