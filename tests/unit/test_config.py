@@ -4,6 +4,7 @@ the field."""
 from __future__ import annotations
 
 import argparse
+import importlib.util
 import re
 from collections.abc import Sequence
 from pathlib import Path
@@ -599,3 +600,17 @@ def test_static_spec_may_declare_its_max_model_len(tmp_path: Path) -> None:
 def test_bad_static_max_model_len(value: str) -> None:
     message = config_error(["--decode", f"{D1},max_model_len={value}"])
     assert "max_model_len" in message
+
+
+def test_kubernetes_discovery_without_its_extra_is_a_clear_error(
+    monkeypatch: pytest.MonkeyPatch,
+) -> None:
+    real = importlib.util.find_spec
+    monkeypatch.setattr(
+        importlib.util,
+        "find_spec",
+        lambda name, *args: None if name == "kubernetes_asyncio" else real(name, *args),
+    )
+    with pytest.raises(ConfigError, match=r"pip install 'pdproxy\[kubernetes\]'"):
+        load_settings(None, environ={"PDPROXY_DISCOVERY": "kubernetes"})
+    assert load_settings(None, environ={}).discovery == "registry"
