@@ -34,11 +34,10 @@ RUN python -m venv /src/compiler \
 RUN PDPROXY_COMPILE=1 /src/compiler/bin/pip wheel --no-cache-dir --no-build-isolation --no-deps \
     --wheel-dir /src/wheels .
 # With the fake-worker extra (aiohttp): docker-compose's demo runs `pdproxy fake-worker` from
-# this image; and the kubernetes extra: the chart's `config.discovery: kubernetes` runs on it.
-# The loop names the one wheel, whose file name a glob must find, with its extras.
+# this image. The loop names the one wheel, whose file name a glob must find, with its extra.
 RUN python -m venv /opt/pdproxy \
     && for wheel in /src/wheels/pdproxy-*.whl; do \
-         /opt/pdproxy/bin/pip install --no-cache-dir "${wheel}[fake-worker,kubernetes]"; \
+         /opt/pdproxy/bin/pip install --no-cache-dir "${wheel}[fake-worker]"; \
        done
 
 # ---- runtime: the venv on a clean base, run as an unprivileged user --------------------------

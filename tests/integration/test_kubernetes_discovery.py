@@ -35,8 +35,10 @@ DRAIN = "pdproxy.io/drain"
 WAIT_S = 15.0
 
 
-def proxy_args() -> list[str]:
+def proxy_args(workers: int = 1) -> list[str]:
     return [
+        "--workers",
+        str(workers),
         "--discovery",
         "kubernetes",
         "--kubernetes-namespace",
@@ -72,13 +74,13 @@ def pod_name(worker: Worker) -> str:
 class DiscoveredFleet:
     """Fake workers, their pods in the stand-in, and a proxy discovering them."""
 
-    def __init__(self, tmp_path: Path, specs: list[WorkerSpec]) -> None:
+    def __init__(self, tmp_path: Path, specs: list[WorkerSpec], workers: int = 1) -> None:
         self.api = KubernetesStandIn(NAMESPACE)
         kubeconfig = tmp_path / "kubeconfig"
         self.fleet = LocalFleet(
             tmp_path / "fleet",
             specs,
-            proxy_args(),
+            proxy_args(workers),
             proxy_env={"KUBECONFIG": str(kubeconfig)},
             # The test host may itself run in a pod: the proxy must use the kubeconfig.
             proxy_unset=("KUBERNETES_SERVICE_HOST", "KUBERNETES_SERVICE_PORT"),
@@ -203,11 +205,13 @@ def test_only_ready_undrained_pods_take_requests(
     assert not fleet.fleet.completion_requests()
 
 
+# With --workers 2 discovery runs in the registry process and the HTTP workers route on its copy.
+@pytest.mark.parametrize("workers", [1, 2])
 def test_the_watch_resumes_after_a_drop_and_lists_again_after_410(
-    tmp_path: Path, discovered: list[DiscoveredFleet]
+    tmp_path: Path, discovered: list[DiscoveredFleet], workers: int
 ) -> None:
     specs = [WorkerSpec(role, announce="none") for role in ("P", "D", "D")]
-    fleet = DiscoveredFleet(tmp_path, specs)
+    fleet = DiscoveredFleet(tmp_path, specs, workers)
     discovered.append(fleet)
     fleet.start(ready={"vllm-p0": True, "vllm-d0": True, "vllm-d1": True}, geometry={})
     url = fleet.fleet.proxy_url
