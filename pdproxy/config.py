@@ -8,6 +8,7 @@ environment variables, command-line flags. The CLI flags are generated from the 
 from __future__ import annotations
 
 import argparse
+import importlib.util
 import json
 import os
 from collections.abc import Mapping
@@ -212,6 +213,66 @@ class Settings(BaseModel):
         gt=0,
         le=3600,
         description="How far a signed message's timestamp may be from the proxy's clock.",
+    )
+    discovery: Literal["registry", "kubernetes"] = Field(
+        "registry",
+        description="Where instances come from besides the static ones: registry (their "
+        "announcements) or kubernetes (also Pods watched by label selector, needs the "
+        "`kubernetes` extra: only Ready pods are routed to, deleted ones leave at once; "
+        "announcements still add model, geometry and load).",
+    )
+    kubernetes_namespace: str = Field(
+        "",
+        max_length=63,
+        description="Namespace whose pods Kubernetes discovery watches; empty: the proxy's own "
+        "(its service account's), else `default`.",
+    )
+    kubernetes_prefill_selector: str = Field(
+        "app.kubernetes.io/component=prefill",
+        min_length=1,
+        max_length=1024,
+        description="Label selector of the prefill pods (Kubernetes discovery).",
+    )
+    kubernetes_decode_selector: str = Field(
+        "app.kubernetes.io/component=decode",
+        min_length=1,
+        max_length=1024,
+        description="Label selector of the decode pods (Kubernetes discovery).",
+    )
+    kubernetes_http_port_annotation: str = Field(
+        "pdproxy.io/http-port",
+        min_length=1,
+        max_length=253,
+        description="Pod annotation (or label) holding the vLLM HTTP port (Kubernetes "
+        "discovery; a pod without it is not routed to).",
+    )
+    kubernetes_kv_port_annotation: str = Field(
+        "pdproxy.io/kv-port",
+        min_length=1,
+        max_length=253,
+        description="Pod annotation (or label) holding the KV port (rank 0's; the zmq address "
+        "of the request id).",
+    )
+    kubernetes_connector_annotation: str = Field(
+        "pdproxy.io/connector",
+        min_length=1,
+        max_length=253,
+        description="Pod annotation (or label) naming the connector kind: p2p_nccl, nixl or "
+        "pdproxy (optional: else what the pod announces).",
+    )
+    kubernetes_geometry_annotation: str = Field(
+        "pdproxy.io/geometry",
+        min_length=1,
+        max_length=253,
+        description="Pod annotation holding the KV geometry as JSON, as a v1 announcement "
+        "carries it (optional: else what the pod announces).",
+    )
+    kubernetes_drain_annotation: str = Field(
+        "pdproxy.io/drain",
+        min_length=1,
+        max_length=253,
+        description="Pod annotation (or label) that drains the pod in every proxy replica: no "
+        "new requests while it is there, unless its value is false, 0 or no.",
     )
     max_body_bytes: int = Field(
         32 * MiB, ge=1024, description="Largest request body accepted (413 above)."
@@ -522,6 +583,18 @@ class Settings(BaseModel):
                 raise ValueError(
                     f"static prefill {spec.http}: a {spec.connector.value} prefill needs {missing}"
                 )
+        return self
+
+    @model_validator(mode="after")
+    def _discovery_installed(self) -> Settings:
+        if (
+            self.discovery == "kubernetes"
+            and importlib.util.find_spec("kubernetes_asyncio") is None
+        ):
+            raise ValueError(
+                "discovery kubernetes needs the `kubernetes` extra: "
+                "pip install 'pdproxy[kubernetes]'"
+            )
         return self
 
     @model_validator(mode="after")

@@ -174,6 +174,14 @@ class Metrics:
             ["role", "kind"],
             registry=r,
         )
+        self.discovery_watch_restarts = Counter(
+            "pdproxy_discovery_watch_restarts",
+            "Kubernetes discovery's pod watches started again, by role and reason (expired: "
+            "410 Gone, listed again; failed: an error, resumed after a backoff; closed: ended "
+            "at once without an event).",
+            ["role", "reason"],
+            registry=r,
+        )
         self.unpaired = Counter(
             "pdproxy_unpaired_requests",
             "Requests refused (503) because no compatible prefill/decode pair could serve "

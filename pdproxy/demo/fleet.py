@@ -21,7 +21,8 @@ from pdproxy.demo.processes import (
     wait_until,
 )
 
-Announce = Literal["v0", "v1", "static"]
+# static: configured on the proxy's command line; none: neither (Kubernetes discovery finds it).
+Announce = Literal["v0", "v1", "static", "none"]
 START_TIMEOUT = 30.0
 COMPLETION_PATHS = ("/v1/completions", "/v1/chat/completions")
 
@@ -83,6 +84,8 @@ class LocalFleet:
     registry_port: int | None = None
     announce_interval: float = 0.5
     api_key: str | None = None  # when the proxy demands client keys
+    proxy_env: dict[str, str] | None = None  # set for the proxy process only
+    proxy_unset: tuple[str, ...] = ()  # inherited variables the proxy must not see
     workers: list[Worker] = field(default_factory=list, init=False)
     proxy: ManagedProcess | None = field(default=None, init=False)
 
@@ -103,6 +106,12 @@ class LocalFleet:
         return [r for w in workers for r in w.requests() if r["path"] in COMPLETION_PATHS]
 
     def start(self) -> LocalFleet:
+        self.prepare()
+        return self.launch()
+
+    def prepare(self) -> None:
+        """Choose the ports and the commands (`workers` is filled): a test may publish the
+        addresses somewhere before the processes start."""
         self.log_dir.mkdir(parents=True, exist_ok=True)
         ports = iter(free_ports(2 + 2 * len(self.workers_spec)))
         self.proxy_port = self.proxy_port or next(ports)
@@ -129,7 +138,7 @@ class LocalFleet:
                 str(spec.prefill_latency_ms),
                 *spec.extra_args,
             )
-            if spec.announce != "static":
+            if spec.announce in ("v0", "v1"):
                 argv += [
                     "--proxy",
                     self.registry_address,
@@ -157,7 +166,13 @@ class LocalFleet:
                 *self.proxy_args,
             ),
             self.log_dir / "pdproxy.log",
+            env=self.proxy_env,
+            unset=self.proxy_unset,
         )
+
+    def launch(self) -> LocalFleet:
+        """Start the processes `prepare` made; wait until the proxy lists every worker."""
+        assert self.proxy is not None, "prepare first"
         try:
             self.proxy.start()
             for worker in self.workers:

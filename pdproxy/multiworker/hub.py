@@ -30,6 +30,7 @@ import zmq.asyncio
 from pdproxy.config import Settings
 from pdproxy.metrics import Metrics
 from pdproxy.multiworker.shared_state import SharedState, decode, encode
+from pdproxy.registry.discovery import Discovery, start_discovery
 from pdproxy.registry.operator import AdminState, ControlReply, ControlRequest, FleetOperator
 from pdproxy.registry.seeded import seeded_table
 from pdproxy.registry.server import RegistryServer
@@ -57,6 +58,8 @@ class RegistryHub:
         self._admin_path = admin_path
         self._clock = clock
         self._hold_until = clock() + (settings.ttl if restarted else 0.0)
+        self._settings = settings
+        self._metrics = metrics
         self.table = seeded_table(settings, metrics, clock)
         self.registry = RegistryServer(settings, self.table, metrics, clock)
         self.operator = FleetOperator(self.registry, self.table)
@@ -125,6 +128,7 @@ class RegistryHub:
         the process again)."""
         self.registry.publish_counts()
         self.registry.start()  # raises if the registry address is taken
+        discovery: Discovery | None = start_discovery(self._settings, self.registry, self._metrics)
         context = zmq.asyncio.Context()
         publisher = context.socket(zmq.PUB)
         controls = context.socket(zmq.ROUTER)
@@ -153,6 +157,8 @@ class RegistryHub:
             for task in tasks:
                 with contextlib.suppress(asyncio.CancelledError):
                     await task
+            if discovery is not None:
+                await discovery.stop()
             await self.registry.stop()
             publisher.close(linger=0)
             controls.close(linger=0)

@@ -146,8 +146,8 @@ class Rotation:
         )
 
     def _serving(self, role: Role) -> int:
-        """Instances of `role` that take traffic at all (not announced unhealthy, not
-        drained): the ejection cap is a share of these."""
+        """Instances of `role` that take traffic at all (routable: not announced unhealthy,
+        not an unready or annotated pod; not drained): the ejection cap is a share of these."""
         snapshot = self._table.snapshot()
         members = snapshot.prefills if role is Role.PREFILL else snapshot.decodes
         return sum(1 for i in members if i.name not in self.drained)

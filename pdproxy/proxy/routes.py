@@ -302,7 +302,9 @@ def _describe(entry: Registration, now: float, state: AppState) -> dict[str, Any
         "consecutive_failures": health.consecutive_failures,
         "ejections": health.ejections,
         "ejected_for_seconds": round(health.ejected_for_seconds, 3),
-        "drained": instance.name in state.rotation.drained,
+        # An operator's drain (admin API), or the pod's drain annotation (Kubernetes discovery).
+        "drained": instance.name in state.rotation.drained or instance.pod_drained,
+        "ready": instance.ready,
         "legs_in_flight": busy.requests,
         "age_seconds": round(now - entry.first_seen, 3),
         "last_seen_seconds_ago": round(now - entry.last_seen, 3),

@@ -14,6 +14,7 @@ from typing import Protocol
 
 from pdproxy.config import Settings
 from pdproxy.metrics import Metrics
+from pdproxy.registry.discovery import Discovery, start_discovery
 from pdproxy.registry.operator import ControlReply, ControlRequest, FleetOperator
 from pdproxy.registry.seeded import seeded_table
 from pdproxy.registry.server import RegistryServer
@@ -68,12 +69,19 @@ class LocalControl:
 
 class LocalRegistry:
     def __init__(
-        self, registry: RegistryServer, table: RegistryTable, on_drained: DrainedSink
+        self,
+        registry: RegistryServer,
+        table: RegistryTable,
+        on_drained: DrainedSink,
+        discovery: Discovery | None = None,
     ) -> None:
         self._registry = registry
+        self._discovery = discovery
         self.control = LocalControl(FleetOperator(registry, table), on_drained)
 
     async def stop(self) -> None:
+        if self._discovery is not None:
+            await self._discovery.stop()
         await self._registry.stop()
 
 
@@ -84,6 +92,7 @@ class OwnRegistry:
 
     def __init__(self) -> None:
         self._server: RegistryServer | None = None
+        self._discovery: Discovery | None = None
 
     def make_table(
         self, settings: Settings, metrics: Metrics, clock: Callable[[], float]
@@ -93,10 +102,11 @@ class OwnRegistry:
         server.publish_counts()
         server.start()
         self._server = server
+        self._discovery = start_discovery(settings, server, metrics)
         return table
 
     async def attach(
         self, settings: Settings, table: RegistryTable, on_drained: DrainedSink, metrics: Metrics
     ) -> RegistryLink:
         assert self._server is not None, "make_table first"
-        return LocalRegistry(self._server, table, on_drained)
+        return LocalRegistry(self._server, table, on_drained, self._discovery)

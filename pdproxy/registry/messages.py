@@ -50,6 +50,8 @@ class Reason(StrEnum):
     BAD_LOAD = "bad_load"
     CAPACITY = "capacity"
     STATIC_CONFLICT = "static_conflict"
+    # Kubernetes discovery: another role or KV address than the pod's, or a pod just deleted.
+    DISCOVERY_CONFLICT = "discovery_conflict"
     # Authentication and admission (pdproxy.registry.auth).
     UNSIGNED = "unsigned"
     BAD_SIGNATURE = "bad_signature"
@@ -352,6 +354,12 @@ def _coordinates(value: object) -> KvCoordinates | None:
             f"kv_coordinates.engine_id must be a printable string of 1..{MAX_ENGINE_ID} chars",
         )
     return KvCoordinates(engine_id=engine_id, **addresses)
+
+
+def parse_geometry(value: object) -> Geometry | None:
+    """A geometry map as the v1 announcement carries it (None: unknown); Rejected
+    (BAD_GEOMETRY) if malformed. Kubernetes discovery reads a pod's annotation with it too."""
+    return _geometry(value)
 
 
 def _geometry(value: object) -> Geometry | None:

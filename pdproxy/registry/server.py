@@ -291,6 +291,37 @@ class RegistryServer:
             self._metrics.instance_joined(instance.name)
         self.publish_counts()
 
+    def discovered(self, pod: Instance) -> None:
+        """Kubernetes discovery saw a pod added or changed (pdproxy.registry.kubernetes)."""
+        try:
+            change = self._table.discovered(pod, self._clock())
+        except Rejected as exc:
+            log.warning("registry: discovered pod %s not registered: %s", pod.name, exc)
+            return
+        if change is Change.REFRESHED:
+            return
+        instance = self._table.get(pod.http_address)
+        assert instance is not None
+        if change is Change.REGISTERED:
+            self._metrics.instance_joined(instance.name)
+        log.info(
+            "registry: %s pod %s %s (zmq %s, %s%s)",
+            instance.role,
+            instance.name,
+            change.value,
+            instance.zmq_address,
+            "ready" if instance.ready else "not ready",
+            ", drained by its annotation" if instance.pod_drained else "",
+        )
+        self.publish_counts()
+
+    def undiscovered(self, http_address: Address) -> None:
+        """Kubernetes discovery saw a pod deleted: it leaves the table at once."""
+        gone = self._table.undiscovered(http_address, self._clock())
+        if gone is not None:
+            log.info("registry: %s pod %s deleted", gone.role, gone.name)
+            self._on_departed(gone)
+
     def remove(self, http_address: Address) -> bool:
         """An operator's removal (admin API), static instances included."""
         gone = self._table.remove(http_address, by_operator=True)

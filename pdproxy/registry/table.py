@@ -11,6 +11,14 @@ pinging beside its signing sidecar) is accepted and changes nothing. Instances r
 unsigned have a cap of their own (`max_unsigned`, UNSIGNED_CAPACITY) and do not count against
 `max_instances`, so a flood of unsigned pings never takes the room of signed instances. Without
 a secret nothing is signed and one cap holds for all.
+
+Instances come from three sources: the operator (static), announcements (v0/v1), and, when it
+is on, Kubernetes discovery (`discovered`/`undiscovered`, fed by pdproxy.registry.kubernetes).
+Discovery says which pods exist and whether they are ready: a discovered instance never
+expires, is routed to only while its pod is ready and not annotated drained, and leaves the
+table at once when its pod is deleted (an announcement for it is then refused for one TTL, so a
+late one cannot bring it back). Announcements for a discovered instance enrich it (model,
+geometry where the pod has none, load, health) but may not move it (DISCOVERY_CONFLICT).
 """
 
 from __future__ import annotations
@@ -36,6 +44,7 @@ class Source(StrEnum):
     STATIC = "static"
     V0 = "v0"
     V1 = "v1"
+    DISCOVERED = "discovered"  # a Kubernetes pod (Settings.discovery = kubernetes)
 
 
 @dataclass(frozen=True, slots=True)
@@ -51,12 +60,22 @@ class Instance:
     healthy: bool = True
     max_model_len: int | None = None  # the context length the instance runs its model with
     coordinates: KvCoordinates | None = None  # where its connector is reached (mooncake, ...)
+    # Kubernetes discovery's word (always True/False for other sources): the pod is Ready and
+    # not terminating; the pod carries the drain annotation.
+    ready: bool = True
+    pod_drained: bool = False
     # The label this instance carries in logs, metrics and errors; read several times per
     # request, so made once.
     name: str = field(init=False, repr=False, compare=False)
 
     def __post_init__(self) -> None:
         object.__setattr__(self, "name", str(self.http_address))
+
+    @property
+    def routable(self) -> bool:
+        """Whether new legs may go to it: announced healthy and, if discovered, its pod ready
+        and not drained. The others stay registered and receive no requests."""
+        return self.healthy and self.ready and not self.pod_drained
 
     def serves(self, model: str) -> bool:
         # A v0 or static instance without a model announced serves whatever it is asked.
@@ -82,7 +101,7 @@ class Registration:
 @dataclass(frozen=True, slots=True)
 class Snapshot:
     """An immutable view of the fleet at one moment: what the planner decides on. Instances
-    announced unhealthy are left out: they stay registered but receive no requests."""
+    that are not `routable` (announced unhealthy, an unready or drained pod) are left out."""
 
     version: int
     prefills: tuple[Instance, ...]
@@ -133,6 +152,11 @@ class RegistryTable:
         self._load_refresh = load_refresh
         self._entries: dict[Address, Registration] = {}
         self._static: set[Address] = set()
+        # Kubernetes discovery: each discovered pod as discovery sees it, the last announcement
+        # for it (what enriches it), and pods deleted lately (address -> until when refused).
+        self._pods: dict[Address, Instance] = {}
+        self._announced: dict[Address, Instance] = {}
+        self._gone: dict[Address, float] = {}
         # zmq address -> http addresses announcing it: a connector knows its peer only by the
         # KV address in the request-id tag, and its statistics name the peer that way.
         self._by_zmq: dict[Address, set[Address]] = {}
@@ -173,6 +197,9 @@ class RegistryTable:
         self._counts = dict.fromkeys(Role, 0)
         self._unsigned = 0
         self._static = {k for k, e in fresh.items() if e.instance.source is Source.STATIC}
+        self._pods = {
+            k: e.instance for k, e in fresh.items() if e.instance.source is Source.DISCOVERED
+        }
         for entry in fresh.values():
             self._put(entry)
         if changed:
@@ -202,6 +229,7 @@ class RegistryTable:
         v1_seen = now if announcement.version == 1 else None
         entry = self._entries.get(key)
         if entry is None:
+            self._refuse_deleted_pod(key, now)
             new = Registration(incoming, now, now, v1_seen, signed)
             self._make_room(new, None)
             self._put(new)
@@ -209,6 +237,8 @@ class RegistryTable:
             return Change.REGISTERED, incoming
         if key in self._static:
             incoming = self._merge_static(entry.instance, incoming)
+        elif key in self._pods:
+            incoming = self._enrich_pod(entry, incoming, now, signed)
         elif entry.signed and not signed:
             self._refuse_unsigned_change(entry.instance, incoming)
             return Change.REFRESHED, entry.instance  # an echo: not even last_seen moves
@@ -230,6 +260,91 @@ class RegistryTable:
             return Change.LOAD, incoming
         self._changed()
         return Change.UPDATED, incoming
+
+    def discovered(self, pod: Instance, now: float) -> Change:
+        """Kubernetes discovery saw a pod (added, or changed: readiness, the drain
+        annotation, ports): it becomes or stays a discovered instance, enriched by what was
+        announced for it. Static instances stay the operator's; Rejected when the table is
+        full."""
+        key = pod.http_address
+        if key in self._static:
+            return Change.REFRESHED
+        pod = replace(pod, source=Source.DISCOVERED)
+        self._gone.pop(key, None)
+        entry = self._entries.get(key)
+        if (
+            entry is not None
+            and key not in self._pods
+            and entry.instance.source is not Source.DISCOVERED
+        ):
+            self._announced[key] = entry.instance  # announced before discovery saw the pod
+        merged = _enriched(pod, self._announced.get(key))
+        if entry is None:
+            new = Registration(merged, now, now)
+        elif entry.instance == merged and key in self._pods:
+            self._pods[key] = pod
+            return Change.REFRESHED
+        else:
+            new = Registration(merged, entry.first_seen, now, entry.v1_seen, entry.signed)
+        self._make_room(new, entry)
+        self._pods[key] = pod
+        self._put(new)
+        self._changed()
+        return Change.REGISTERED if entry is None else Change.UPDATED
+
+    def undiscovered(self, http_address: Address, now: float) -> Instance | None:
+        """Kubernetes discovery saw the pod deleted: out of the table at once, and refused to
+        announcements for one TTL (a late one must not bring a dead pod back)."""
+        if self._pods.pop(http_address, None) is None:
+            return None
+        self._announced.pop(http_address, None)
+        self._gone[http_address] = now + self._ttl
+        while len(self._gone) > self._max:  # bounded: the oldest tombstone goes first
+            del self._gone[next(iter(self._gone))]
+        entry = self._pop(http_address)
+        if entry is None:
+            return None
+        self._changed()
+        return entry.instance
+
+    def _refuse_deleted_pod(self, key: Address, now: float) -> None:
+        until = self._gone.get(key)
+        if until is None:
+            return
+        if now > until:
+            del self._gone[key]
+            return
+        raise Rejected(
+            Reason.DISCOVERY_CONFLICT,
+            f"{key} is a pod Kubernetes deleted moments ago: its announcements are ignored",
+        )
+
+    def _enrich_pod(
+        self, entry: Registration, incoming: Instance, now: float, signed: bool
+    ) -> Instance:
+        """What an announcement adds to a discovered instance: it may not move it, and an
+        unsigned one changes nothing of an instance signed messages announced."""
+        key = incoming.http_address
+        pod = self._pods[key]
+        if (incoming.role, incoming.zmq_address) != (pod.role, pod.zmq_address):
+            raise Rejected(
+                Reason.DISCOVERY_CONFLICT,
+                f"{pod.name} is a {pod.role.value} pod with zmq {pod.zmq_address} in Kubernetes "
+                "discovery: an announcement cannot change that",
+            )
+        if entry.signed and not signed:
+            return entry.instance
+        known = self._announced.get(key)
+        fresh_v1 = entry.v1_seen is not None and now - entry.v1_seen <= self._ttl
+        # Stock vLLM's v0 ping beside a v1 announcer must not erase what the v1 one said.
+        if not (
+            incoming.source is Source.V0
+            and known is not None
+            and known.source is Source.V1
+            and fresh_v1
+        ):
+            self._announced[key] = incoming
+        return _enriched(pod, self._announced.get(key))
 
     def _v0_echo(self, entry: Registration, incoming: Instance, now: float) -> bool:
         """A v0 ping agreeing with a v1 announcement that is itself still alive (a sidecar
@@ -258,7 +373,7 @@ class RegistryTable:
         return (
             self._max_unsigned is not None
             and not entry.signed
-            and entry.instance.source is not Source.STATIC
+            and entry.instance.source not in (Source.STATIC, Source.DISCOVERED)
         )
 
     def _make_room(self, new: Registration, old: Registration | None) -> None:
@@ -301,12 +416,15 @@ class RegistryTable:
     def remove(
         self, http_address: Address, *, by_operator: bool = False, signed: bool = False
     ) -> Instance | None:
-        """A v1 `leave` (static instances stay: only the operator removes them; a signed
-        instance only a signed leave removes), or the operator's own removal."""
-        if http_address in self._static:
+        """A v1 `leave` (static and discovered instances stay: only the operator removes them,
+        and a discovered one comes back at its pod's next change; a signed instance only a
+        signed leave removes), or the operator's own removal."""
+        if http_address in self._static or http_address in self._pods:
             if not by_operator:
                 return None
             self._static.discard(http_address)
+            self._pods.pop(http_address, None)
+            self._announced.pop(http_address, None)
         known = self._entries.get(http_address)
         if known is not None and known.signed and not (signed or by_operator):
             raise Rejected(
@@ -321,13 +439,16 @@ class RegistryTable:
         return entry.instance
 
     def expire(self, now: float) -> list[Instance]:
-        """Drop every non-static instance silent for longer than the TTL."""
+        """Drop every instance silent for longer than the TTL but the static and discovered
+        ones (discovery says when a pod goes), and forget tombstones past their time."""
         deadline = now - self._ttl
         dead = [
             key
             for key, entry in self._entries.items()
-            if entry.last_seen < deadline and key not in self._static
+            if entry.last_seen < deadline and key not in self._static and key not in self._pods
         ]
+        for key in [key for key, until in self._gone.items() if until < now]:
+            del self._gone[key]
         expired = [entry.instance for key in dead if (entry := self._pop(key)) is not None]
         if expired:
             self._changed()
@@ -363,7 +484,7 @@ class RegistryTable:
         ):
             self._changed()
         if self._snapshot is None:
-            instances = [e.instance for e in self._entries.values() if e.instance.healthy]
+            instances = [e.instance for e in self._entries.values() if e.instance.routable]
             self._snapshot = Snapshot(
                 version=self._version,
                 prefills=tuple(i for i in instances if i.role is Role.PREFILL),
@@ -406,3 +527,20 @@ class RegistryTable:
         self._version += 1
         self._snapshot = None
         self._load_stale = False
+
+
+def _enriched(pod: Instance, announced: Instance | None) -> Instance:
+    """A discovered instance: the pod's word where it has one (role, addresses, connector,
+    geometry, readiness, drain), the announcement's for the rest (model, geometry when the pod
+    has none, load, health, context length)."""
+    if announced is None:
+        return pod
+    return replace(
+        pod,
+        model=announced.model,
+        connector=pod.connector or announced.connector,
+        geometry=pod.geometry or announced.geometry,
+        load=announced.load,
+        healthy=announced.healthy,
+        max_model_len=announced.max_model_len,
+    )

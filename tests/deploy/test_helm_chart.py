@@ -676,7 +676,9 @@ def test_proxy_pod_is_locked_down(rendered: Rendered) -> None:
     spec = container(deployment, "pdproxy")
     assert pod["securityContext"]["runAsNonRoot"] is True
     assert pod["securityContext"]["runAsUser"] != 0
-    assert pod["automountServiceAccountToken"] is False
+    # The API token only where Kubernetes discovery needs it (tests/deploy/test_helm_scaling.py).
+    discovery = rendered.config.get("discovery") == "kubernetes"
+    assert pod["automountServiceAccountToken"] is discovery
     security = spec["securityContext"]
     assert security["readOnlyRootFilesystem"] is True
     assert security["allowPrivilegeEscalation"] is False
@@ -742,8 +744,10 @@ def test_services_route_to_the_proxy_ports(rendered: Rendered) -> None:
         (port,) = service["spec"]["ports"]
         assert port["targetPort"] == port_name
         container_port(spec, port_name)
-    # Announcements must reach a proxy that is not ready yet: it becomes ready through them.
+    # Announcements must reach a proxy that is not ready yet: it becomes ready through them;
+    # and every replica: the name resolves to each proxy pod (headless).
     assert rendered.registry_service["spec"]["publishNotReadyAddresses"] is True
+    assert rendered.registry_service["spec"]["clusterIP"] == "None"
     for deployment in rendered.all("Deployment"):
         selector = deployment["spec"]["selector"]["matchLabels"]
         assert selects(selector, deployment["spec"]["template"]["metadata"]["labels"])
@@ -784,7 +788,7 @@ def test_optional_objects_target_the_proxy(rendered: Rendered) -> None:
 
 
 def test_every_optional_object_is_off_by_default_and_on_in_all_on() -> None:
-    optional = {"HorizontalPodAutoscaler", "PodDisruptionBudget", "NetworkPolicy", "ServiceMonitor"}
+    optional = {"HorizontalPodAutoscaler", "NetworkPolicy", "ServiceMonitor", "Role", "RoleBinding"}
     assert {m["kind"] for m in render({}).manifests} & optional == set()
     all_on = render(VALUE_SETS["all-on"])
     assert {m["kind"] for m in all_on.manifests} >= optional | {"ServiceAccount"}
@@ -1024,9 +1028,15 @@ def test_registry_dns_follows_namespace_and_cluster_domain() -> None:
 def test_notes_name_the_registry_and_warn_about_replicas() -> None:
     notes = render({}).notes
     assert f"{render({}).fullname}-registry.{NAMESPACE}.svc.cluster.local:30001" in notes
-    assert "WARNING" not in notes
-    assert "WARNING: more than one proxy replica" in render(VALUE_SETS["all-on"]).notes
-    assert "pdproxy announce" in render(VALUE_SETS["all-on"]).notes
+    assert "WARNING" not in notes and "Proxy replicas: 2" in notes
+    # Stock vLLM's own ping reaches one replica: warned, unless discovery covers it.
+    stock = render(VALUE_SETS["fleet-2p2d"]).notes
+    assert "WARNING: stock vLLM's own v0 ping reaches one replica only" in stock
+    discovered = render({**VALUE_SETS["fleet-2p2d"], "config": {"discovery": "kubernetes"}})
+    assert "WARNING" not in discovered.notes
+    assert "annotate pod POD pdproxy.io/drain=true" in discovered.notes
+    all_on = render(VALUE_SETS["all-on"]).notes
+    assert "pdproxy announce" in all_on and "example.com/drain=true" in all_on
 
 
 def test_notes_mention_auth_only_when_enabled() -> None:

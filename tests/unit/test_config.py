@@ -5,6 +5,7 @@ from __future__ import annotations
 
 import argparse
 import dataclasses
+import importlib.util
 import re
 from collections.abc import Sequence
 from pathlib import Path
@@ -80,6 +81,15 @@ SAMPLES: dict[str, tuple[str, Any]] = {
     "registry_v0_cidrs": ("10.1.0.0/16", ["10.1.0.0/16"]),
     "registry_address_cidrs": ("10.0.0.0/8", ["10.0.0.0/8"]),
     "registry_max_skew_seconds": ("12.5", 12.5),
+    "discovery": ("kubernetes", "kubernetes"),
+    "kubernetes_namespace": ("inference", "inference"),
+    "kubernetes_prefill_selector": ("role=p,app=vllm", "role=p,app=vllm"),
+    "kubernetes_decode_selector": ("role=d,app=vllm", "role=d,app=vllm"),
+    "kubernetes_http_port_annotation": ("example.com/http", "example.com/http"),
+    "kubernetes_kv_port_annotation": ("example.com/kv", "example.com/kv"),
+    "kubernetes_connector_annotation": ("example.com/connector", "example.com/connector"),
+    "kubernetes_geometry_annotation": ("example.com/geometry", "example.com/geometry"),
+    "kubernetes_drain_annotation": ("example.com/drain", "example.com/drain"),
     "max_body_bytes": ("2048", 2048),
     "max_response_bytes": ("4096", 4096),
     "upstream_api_key": ("sk-test", "sk-test"),
@@ -695,3 +705,17 @@ def test_static_syntax_names_every_key() -> None:
         assert f"{key}" in description, key
     for connector in Connector:
         assert connector.value in description
+
+
+def test_kubernetes_discovery_without_its_extra_is_a_clear_error(
+    monkeypatch: pytest.MonkeyPatch,
+) -> None:
+    real = importlib.util.find_spec
+    monkeypatch.setattr(
+        importlib.util,
+        "find_spec",
+        lambda name, *args: None if name == "kubernetes_asyncio" else real(name, *args),
+    )
+    with pytest.raises(ConfigError, match=r"pip install 'pdproxy\[kubernetes\]'"):
+        load_settings(None, environ={"PDPROXY_DISCOVERY": "kubernetes"})
+    assert load_settings(None, environ={}).discovery == "registry"

@@ -34,6 +34,7 @@ LAYERS: dict[str, int] = {
     "pdproxy.registry.auth": CORE,
     "pdproxy.registry.table": CORE,
     "pdproxy.registry.kv_stats": CORE,
+    "pdproxy.registry.pods": CORE,
     "pdproxy.pairing": CORE,
     "pdproxy.reliability": CORE,
     "pdproxy.http": INFRASTRUCTURE,

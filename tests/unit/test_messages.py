@@ -475,11 +475,13 @@ AUTH_REASONS = {
 
 
 def test_every_decode_reason_is_exercised() -> None:
-    # FRAMING is the server's (frame count), CAPACITY, UNSIGNED_CAPACITY, SIGNED_INSTANCE and
-    # STATIC_CONFLICT the table's, the authentication reasons pdproxy.registry.auth's
-    # (tests/unit/test_registry_auth.py), the stats op's tests/unit/test_stats_messages.py's.
+    # FRAMING is the server's (frame count), CAPACITY, UNSIGNED_CAPACITY, SIGNED_INSTANCE,
+    # STATIC_CONFLICT and DISCOVERY_CONFLICT the table's, the authentication reasons
+    # pdproxy.registry.auth's (tests/unit/test_registry_auth.py), the stats op's
+    # tests/unit/test_stats_messages.py's.
     exercised = {r for _, _, r in REJECTED} | {r for _, _, r in REJECTED_BYTES}
     others = {Reason.FRAMING, Reason.CAPACITY, Reason.STATIC_CONFLICT} | AUTH_REASONS
+    others |= {Reason.DISCOVERY_CONFLICT}
     others |= {Reason.UNSIGNED_CAPACITY, Reason.SIGNED_INSTANCE}
     others |= {Reason.BAD_STATS, Reason.BAD_TRANSFER, Reason.UNKNOWN_INSTANCE}
     assert exercised == set(Reason) - others

@@ -85,6 +85,12 @@ config.yaml: the user's `config` plus the listening addresses, which the chart o
 Services and probes point at them.
 */}}
 {{- define "pdproxy.configFile" -}}
+{{- $config := deepCopy .Values.config }}
+{{- if eq (include "pdproxy.discoveryOn" .) "true" }}
+{{- /* Kubernetes discovery watches this release's fleet unless told otherwise. */}}
+{{- $found := dict "kubernetes_namespace" .Release.Namespace "kubernetes_prefill_selector" (include "pdproxy.selectorString" (list . "prefill")) "kubernetes_decode_selector" (include "pdproxy.selectorString" (list . "decode")) }}
+{{- $config = merge $config $found }}
+{{- end }}
 {{- $owned := dict "host" "0.0.0.0" "port" (int .Values.ports.http) "registry_bind" (printf "tcp://0.0.0.0:%d" (int .Values.ports.registry)) }}
 {{- if .Values.auth.clientApiKeys.existingSecret }}
 {{- $_ := set $owned "api_key_file" (include "pdproxy.secretFile" "client-api-keys") }}
@@ -92,7 +98,33 @@ Services and probes point at them.
 {{- if .Values.auth.adminToken.existingSecret }}
 {{- $_ := set $owned "admin_token_file" (include "pdproxy.secretFile" "admin-token") }}
 {{- end }}
-{{- toYaml (merge $owned (deepCopy .Values.config)) }}
+{{- toYaml (merge $owned $config) }}
+{{- end }}
+
+{{/* Kubernetes discovery ------------------------------------------------------------------ */}}
+
+{{/* "true" when the proxy watches pods (config.discovery: kubernetes). */}}
+{{- define "pdproxy.discoveryOn" -}}
+{{- eq (toString (default "registry" .Values.config.discovery)) "kubernetes" }}
+{{- end }}
+
+{{/* One component's selector labels as a label selector string: call with (list $ ROLE). */}}
+{{- define "pdproxy.selectorString" -}}
+{{- $labels := include "pdproxy.selectorLabels" . | fromYaml }}
+{{- $terms := list }}
+{{- range $key := keys $labels | sortAlpha }}
+{{- $terms = append $terms (printf "%s=%s" $key (index $labels $key)) }}
+{{- end }}
+{{- join "," $terms }}
+{{- end }}
+
+{{/*
+The name of the pod annotation the proxy reads one fact from: call with (list $ SETTING DEFAULT),
+SETTING a config key (kubernetes_http_port_annotation, ...), DEFAULT pdproxy's own default.
+*/}}
+{{- define "pdproxy.podKey" -}}
+{{- $root := index . 0 }}
+{{- default (index . 2) (get $root.Values.config (index . 1)) }}
 {{- end }}
 
 {{/* Secrets mounted as files --------------------------------------------------------------- */}}
