@@ -373,6 +373,19 @@ def with_extras(fields: dict[Any, Any], extras: dict[Any, Any]) -> dict[Any, Any
     return {**extras, **fields}
 
 
+def with_required_coordinates(payload: dict[Any, Any]) -> dict[Any, Any]:
+    """A v1 mooncake or nixl_push prefill is valid only with where its connector is reached."""
+    if payload.get("v") != 1 or payload["type"] != "P":
+        return payload
+    connector = payload.get("connector")
+    if connector == Connector.MOONCAKE.value:
+        return {**payload, "kv_coordinates": {"bootstrap": "10.0.0.9:8998"}}
+    if connector == Connector.NIXL_PUSH.value:
+        coordinates = {"engine_id": "engine-1", "side_channel": "10.0.0.9:5600"}
+        return {**payload, "kv_coordinates": coordinates}
+    return payload
+
+
 NEAR_VALID = st.builds(with_extras, NEAR_VALID_FIELDS, st.dictionaries(KEYS, JUNK, max_size=3))
 VALID_MESSAGES = st.fixed_dictionaries(
     {
@@ -390,7 +403,7 @@ VALID_MESSAGES = st.fixed_dictionaries(
         "load": st.fixed_dictionaries({}, optional={"running": st.integers(0, 5)}),
         "healthy": st.booleans(),
     },
-)
+).map(with_required_coordinates)
 LEAVES = st.fixed_dictionaries({"v": st.just(1), "op": st.just("leave"), "http_address": ADDRESSES})
 STATS = st.fixed_dictionaries(
     {
