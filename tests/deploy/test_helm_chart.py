@@ -1030,7 +1030,9 @@ def test_notes_name_the_registry_and_warn_about_replicas() -> None:
     assert f"{render({}).fullname}-registry.{NAMESPACE}.svc.cluster.local:30001" in notes
     assert "WARNING" not in notes and "Proxy replicas: 2" in notes
     # Stock vLLM's own ping reaches one replica: warned, unless discovery covers it.
-    stock = render(VALUE_SETS["fleet-2p2d"]).notes
+    fleet = VALUE_SETS["fleet-2p2d"]["fleet"]
+    p2p_nccl = {"connector": "P2pNcclConnector", "announce": {"enabled": False}}
+    stock = render({**VALUE_SETS["fleet-2p2d"], "fleet": {**fleet, **p2p_nccl}}).notes
     assert "WARNING: stock vLLM's own v0 ping reaches one replica only" in stock
     discovered = render({**VALUE_SETS["fleet-2p2d"], "config": {"discovery": "kubernetes"}})
     assert "WARNING" not in discovered.notes

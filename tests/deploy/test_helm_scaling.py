@@ -5,6 +5,7 @@ annotation names must match what the proxy built from the rendered config reads.
 from __future__ import annotations
 
 import copy
+import json
 from pathlib import Path
 from typing import Any
 
@@ -60,6 +61,21 @@ def selector_labels(selector: str) -> dict[str, str]:
     return dict(term.split("=", 1) for term in selector.split(","))
 
 
+# vLLM's connector class -> the kind pdproxy's announcements and discovery use for it.
+CONNECTOR_KINDS = {
+    "NixlConnector": Connector.NIXL,
+    "P2pNcclConnector": Connector.P2P_NCCL,
+    "PdproxyConnector": Connector.PDPROXY,
+}
+
+
+def chart_connector(vllm: dict[str, Any]) -> Connector:
+    """The kind of the connector the chart runs in this vLLM container."""
+    argv = [*vllm.get("command", []), *vllm.get("args", [])]
+    config = json.loads(argv[argv.index("--kv-transfer-config") + 1])
+    return CONNECTOR_KINDS[config["kv_connector"]]
+
+
 def role_of(deployment: Manifest) -> Role:
     return Role(deployment["metadata"]["labels"]["app.kubernetes.io/component"])
 
@@ -87,8 +103,7 @@ def test_discovery_reads_the_fleet_the_chart_deploys(name: str, tmp_path: Path) 
         vllm = container(deployment, "vllm")
         assert instance.http_address.port == container_port(vllm, "http")
         assert instance.zmq_address.port == container_port(vllm, "kv-r0")
-        expected = "pdproxy" if "pdproxy" in name else "p2p_nccl"
-        assert instance.connector is Connector(expected)
+        assert instance.connector is chart_connector(vllm)
 
 
 @pytest.mark.parametrize("name", sorted(DISCOVERY_SETS))
