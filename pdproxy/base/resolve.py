@@ -81,10 +81,16 @@ class BoundedResolver:
 
     def _look_up(self, name: str, future: concurrent.futures.Future[Sequence[str]]) -> None:
         try:
-            future.set_result(tuple(self._resolver(name)))
+            addresses: tuple[str, ...] | None = tuple(self._resolver(name))
+            failure: Exception | None = None
         except Exception as exc:
-            future.set_exception(exc)
-        finally:
-            with self._lock:
-                if self._pending.get(name) is future:
-                    del self._pending[name]
+            addresses, failure = None, exc
+        # Forgotten before it is answered: a lookup that starts once this one has answered
+        # asks the resolver again instead of reading this answer.
+        with self._lock:
+            if self._pending.get(name) is future:
+                del self._pending[name]
+        if failure is not None:
+            future.set_exception(failure)
+        else:
+            future.set_result(addresses or ())

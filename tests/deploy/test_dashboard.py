@@ -231,9 +231,14 @@ def test_a_live_scrape_matches_the_registry(fleet_factory: FleetFactory) -> None
         assert name in EXPORTED, name
         assert labels == EXPORTED[name], name
     # Everything the dashboard plots once traffic flowed is in the scrape (failures aside:
-    # failed legs and circuits exist only once something failed).
+    # failed legs and circuits exist only once something failed; watch restarts only with
+    # Kubernetes discovery on).
     used = set().union(*(referenced(e)[0] for e in expressions()))
-    assert used - set(seen) <= {"pdproxy_upstream_errors_total", "pdproxy_instance_circuit"}
+    assert used - set(seen) <= {
+        "pdproxy_upstream_errors_total",
+        "pdproxy_instance_circuit",
+        "pdproxy_discovery_watch_restarts_total",
+    }
 
 
 def test_panels_have_unique_ids_and_do_not_overlap() -> None:

@@ -512,7 +512,7 @@ def test_bad_model_config_exits_2(tmp_path: Path, content: str, message: str) ->
         (["--tp-size", "0"], "--tp-size"),
         (["--interval", "0"], "--interval"),
         (["--kv-layout", "LBHNC"], "--kv-layout"),
-        (["--connector", "mooncake"], "--connector"),
+        (["--connector", "lmcache"], "--connector"),
     ],
 )
 def test_bad_flag_values_exit_2(extra: list[str], flag: str) -> None:
