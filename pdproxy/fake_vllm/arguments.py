@@ -155,6 +155,11 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
         "(default: %(default)s)",
     )
     add(
+        "--engine-id",
+        help="the KV connector's engine id (default: a fresh uuid per start, as vLLM's); a "
+        "nixl_push prefill announces it with its side channel (its KV port)",
+    )
+    add(
         "--tp-size",
         type=positive_int,
         default=1,
@@ -207,4 +212,5 @@ def config_from_args(args: argparse.Namespace) -> WorkerConfig:
         ),
         registry_secret=None if secret_file is None else read_secret_file(secret_file),
         http_backlog=args.backlog,
+        **({} if args.engine_id is None else {"engine_id": args.engine_id}),
     )
