@@ -151,8 +151,9 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
         choices=CONNECTOR_KINDS,
         default="p2p_nccl",
         help="p2p_nccl: the prefill pushes KV to the decode named in X-Request-Id; nixl and "
-        "pdproxy: the decode reads it from the prefill named in kv_transfer_params "
-        "(default: %(default)s)",
+        "pdproxy: the decode reads it from the prefill named in kv_transfer_params; "
+        "nixl_push: the decode registers with the prefill named there, which writes the KV "
+        "into it (default: %(default)s)",
     )
     add(
         "--engine-id",
