@@ -59,6 +59,9 @@ def _coordinates(cfg: WorkerConfig) -> KvCoordinates | None:
     # A mooncake prefill serves its bootstrap /query on its own HTTP port.
     if cfg.connector == "mooncake" and cfg.role is Role.PREFILL:
         return KvCoordinates(bootstrap=cfg.http)
+    # A nixl_push prefill's side channel, where decodes register, is its KV port.
+    if cfg.connector == "nixl_push" and cfg.role is Role.PREFILL:
+        return KvCoordinates(engine_id=cfg.engine_id, side_channel=cfg.kv)
     return None
 
 

@@ -151,8 +151,14 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
         choices=CONNECTOR_KINDS,
         default="p2p_nccl",
         help="p2p_nccl: the prefill pushes KV to the decode named in X-Request-Id; nixl and "
-        "pdproxy: the decode reads it from the prefill named in kv_transfer_params "
-        "(default: %(default)s)",
+        "pdproxy: the decode reads it from the prefill named in kv_transfer_params; "
+        "nixl_push: the decode registers with the prefill named there, which writes the KV "
+        "into it (default: %(default)s)",
+    )
+    add(
+        "--engine-id",
+        help="the KV connector's engine id (default: a fresh uuid per start, as vLLM's); a "
+        "nixl_push prefill announces it with its side channel (its KV port)",
     )
     add(
         "--tp-size",
@@ -207,4 +213,5 @@ def config_from_args(args: argparse.Namespace) -> WorkerConfig:
         ),
         registry_secret=None if secret_file is None else read_secret_file(secret_file),
         http_backlog=args.backlog,
+        **({} if args.engine_id is None else {"engine_id": args.engine_id}),
     )

@@ -2,19 +2,28 @@
 
 from __future__ import annotations
 
+import uuid
 from dataclasses import dataclass, field
 from typing import Literal
 
 from pdproxy.base.roles import Role
 from pdproxy.ids import Address
 
-ConnectorKind = Literal["p2p_nccl", "nixl", "pdproxy", "mooncake"]
-CONNECTOR_KINDS: tuple[ConnectorKind, ...] = ("p2p_nccl", "nixl", "pdproxy", "mooncake")
+ConnectorKind = Literal["p2p_nccl", "nixl", "pdproxy", "mooncake", "nixl_push"]
+CONNECTOR_KINDS: tuple[ConnectorKind, ...] = (
+    "p2p_nccl",
+    "nixl",
+    "pdproxy",
+    "mooncake",
+    "nixl_push",
+)
 # Connectors whose decode reads the KV from the prefill named in kv_transfer_params (vLLM's NIXL
 # flow). p2p_nccl and pdproxy's own connector push to the decode named in the request id
 # (pdproxy with nixl's geometry rules, keyed by the tag's uuid).
 # mooncake: the same, with the proxy's transfer id and the prefill's bootstrap server.
-PULL_CONNECTORS: frozenset[str] = frozenset({"nixl", "mooncake"})
+# nixl_push: kv_transfer_params decide too, but the decode names the prefill (engine id, side
+# channel) and the prefill writes the KV into the decode (kv_nixl_push).
+PULL_CONNECTORS: frozenset[str] = frozenset({"nixl", "mooncake", "nixl_push"})
 DEFAULT_HTTP_BACKLOG = 2048
 
 
@@ -51,6 +60,9 @@ class WorkerConfig:
     # The HTTP listener's accept queue. uvicorn's default, which vLLM runs with: aiohttp's own
     # 128 overflows when a proxy opens thousands of connections at once, which vLLM would not.
     http_backlog: int = DEFAULT_HTTP_BACKLOG
+    # The engine id its KV connector answers to: fresh per start unless given (vLLM's
+    # kv_transfer_config engine_id), so a nixl_push prefill can be declared up front.
+    engine_id: str = field(default_factory=lambda: str(uuid.uuid4()))
 
     @property
     def pulls_kv(self) -> bool:

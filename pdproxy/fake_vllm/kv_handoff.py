@@ -2,7 +2,9 @@
 
 The connector picks the flow. p2p_nccl: the request id's tag decides (kv_push_flow). nixl and
 pdproxy: kv_transfer_params decide and the tag is only a label (kv_pull_flow); mooncake too,
-with the proxy's transfer id and the prefill's bootstrap server (kv_mooncake). A decode asked
+with the proxy's transfer id and the prefill's bootstrap server (kv_mooncake), and nixl_push,
+whose decode registers with the prefill it names, which writes the KV into it (kv_nixl_push).
+A decode asked
 for no KV computes the prompt itself (conditional disaggregation: short prompts skip the
 prefill) and says so with a computed_locally event.
 """
@@ -16,6 +18,7 @@ from pdproxy.fake_vllm.asyncio_helpers import sleep
 from pdproxy.fake_vllm.config import WorkerConfig
 from pdproxy.fake_vllm.generation import Generation
 from pdproxy.fake_vllm.kv_accept import kv_failure
+from pdproxy.fake_vllm.kv_nixl_push import NixlPushFlow
 from pdproxy.fake_vllm.kv_params import ParamsError, leg
 from pdproxy.fake_vllm.kv_payload import told_decode_tp
 from pdproxy.fake_vllm.kv_pull_flow import PullFlow
@@ -24,11 +27,19 @@ from pdproxy.fake_vllm.records import Records, stamp
 
 
 class KvHandoff:
-    def __init__(self, cfg: WorkerConfig, records: Records, push: PushFlow, pull: PullFlow) -> None:
+    def __init__(
+        self,
+        cfg: WorkerConfig,
+        records: Records,
+        push: PushFlow,
+        pull: PullFlow,
+        nixl_push: NixlPushFlow,
+    ) -> None:
         self.cfg = cfg
         self.records = records
         self.push = push
         self.pull = pull
+        self.nixl_push = nixl_push
 
     async def before_first_token(
         self,
@@ -81,6 +92,8 @@ class KvHandoff:
                     request_id, "wrong_role", "asked to decode (do_remote_prefill) on a prefill"
                 )
             await sleep(self.cfg.prefill_latency_s)
+            if asked == "remote_decode" and self.cfg.connector == "nixl_push":
+                return await self.nixl_push.finished(header_id or request_id, generation)
             if asked == "remote_decode" and self.cfg.connector == "mooncake":
                 assert params is not None
                 self.pull.hold_mooncake(request_id, params, generation)
@@ -91,7 +104,15 @@ class KvHandoff:
             raise self._failure(
                 request_id, "wrong_role", "asked to prefill (do_remote_decode) on a decode"
             )
-        if asked == "remote_prefill" and self.cfg.connector == "mooncake":
+        if asked == "remote_prefill" and self.cfg.connector == "nixl_push":
+            assert params is not None
+            try:
+                await self.nixl_push.receive(request_id, header_id, params, generation)
+            except ParamsError as err:
+                raise self._failure(
+                    request_id, "bad_params", f"kv_transfer_params: {err}"
+                ) from None
+        elif asked == "remote_prefill" and self.cfg.connector == "mooncake":
             assert params is not None
             await self.pull.read_mooncake(request_id, params, generation)
         elif asked == "remote_prefill":

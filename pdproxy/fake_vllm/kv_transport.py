@@ -8,6 +8,7 @@ import asyncio
 import logging
 import time
 from collections import OrderedDict
+from collections.abc import Awaitable, Callable
 
 import zmq
 import zmq.asyncio
@@ -20,6 +21,7 @@ from pdproxy.fake_vllm.kv_wire import (
     Pull,
     PullReply,
     Push,
+    Register,
     WireError,
     decode,
     encode,
@@ -45,8 +47,10 @@ async def serve_kv(
     held: HeldTransfers,
     records: Records,
     stats: KvStats,
+    registered: Callable[[Register], Awaitable[None]],
 ) -> None:
-    """Handle [peer identity, frame] messages on the KV port's ROUTER, forever."""
+    """Handle [peer identity, frame] messages on the KV port's ROUTER, forever. `registered`
+    takes a nixl_push decode's registration (the prefill's side)."""
     while True:
         frames = await sock.recv_multipart()
         if len(frames) != 2:
@@ -76,6 +80,8 @@ async def serve_kv(
                 records.add("kv_served", {**entry, "bytes": size, **stamp()})
             # A ROUTER never blocks: a reply to a peer that went away is dropped.
             await sock.send_multipart([identity, encode(reply)])
+        elif isinstance(message, Register):
+            await registered(message)
         else:
             log.warning("fake worker: ignoring a pull reply nobody asked this port for")
 
@@ -124,7 +130,7 @@ class KvSender:
             self._sockets.popitem(last=False)[1].close(linger=0)
         return sock
 
-    async def push(self, destination: str, message: Push, timeout_s: float) -> None:
+    async def push(self, destination: str, message: Push | Register, timeout_s: float) -> None:
         """Queue the message for `destination`; raises zmq.ZMQError, TimeoutError or WireError."""
         frame = encode(message)
         # asyncio sockets never block the loop, but a full queue would wait forever.

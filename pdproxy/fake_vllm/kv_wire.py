@@ -13,6 +13,10 @@ on its KV port; a peer's DEALER sends one frame:
      "kv": payload | null, "error": null | "engine_id_mismatch" | "missing_transfer" |
      "block_ids_mismatch"}
         the prefill's answer to a pull, sent back on the same connection.
+    {"v": 1, "op": "register", "request_id": str, "engine_id": str, "sender": zmq address}
+        nixl_push: a decode asks the prefill engine engine_id (at its side channel) to write
+        the KV of request_id (the id vLLM matches both legs by) to sender; no reply: the KV
+        comes as a push.
 
 payload = {"digest": 32 bytes (sha256 of the prompt), "connector": str,
            "geometry": {"tp_size", "block_size", "num_layers", "num_kv_heads", "head_dim",
@@ -62,7 +66,14 @@ class PullReply:
     error: str | None  # one of PULL_ERRORS; payload is None exactly when this is set
 
 
-Message = Push | Pull | PullReply
+@dataclass(frozen=True, slots=True)
+class Register:
+    request_id: str
+    engine_id: str
+    sender: str
+
+
+Message = Push | Pull | PullReply | Register
 
 
 def as_map(message: Message) -> dict[str, Any]:
@@ -80,6 +91,13 @@ def as_map(message: Message) -> dict[str, Any]:
             "engine_id": message.engine_id,
             "block_ids": list(message.block_ids),
             "requester": message.requester,
+        }
+    elif isinstance(message, Register):
+        body = {
+            "op": "register",
+            "request_id": message.request_id,
+            "engine_id": message.engine_id,
+            "sender": message.sender,
         }
     else:
         kv = None if message.payload is None else message.payload.as_map()
@@ -156,4 +174,6 @@ def decode(frame: bytes) -> Message:
         )
     if op == "pull_reply":
         return reply_from_map(body)
+    if op == "register":
+        return Register(text(body, "request_id"), text(body, "engine_id"), text(body, "sender"))
     raise WireError(f"unknown KV message op {op!r}")

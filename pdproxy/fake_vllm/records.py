@@ -18,6 +18,7 @@ EVENT_NAMES = (
     "kv_received",
     "kv_held",
     "kv_served",
+    "kv_registered",  # nixl_push prefill: a decode registered for a request's KV
     "kv_ok",
     "kv_failed",
     "computed_locally",
@@ -39,6 +40,7 @@ KV_FAILURE_REASONS = (
     "engine_id_mismatch",  # the prefill reached is not remote_engine_id
     "missing_transfer",  # the prefill holds no such transfer (never, expired or already read)
     "block_ids_mismatch",  # the transfer is held under other block ids
+    "register_error",  # nixl_push decode: its registration could not be sent to the prefill
 )
 
 

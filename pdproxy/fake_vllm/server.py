@@ -45,7 +45,8 @@ async def run_worker(cfg: WorkerConfig) -> int:
             loop.add_signal_handler(signum, stop.set)
             stack.callback(loop.remove_signal_handler, signum)
 
-        # One ROUTER serves both flows: p2p_nccl pushes arrive here, nixl pulls are answered.
+        # One ROUTER serves every flow: pushes arrive here, pulls are answered, nixl_push
+        # decodes register.
         kv_router = kv_socket(ctx, zmq.ROUTER)
         stack.callback(kv_router.close, 0)
         runner = web.AppRunner(
@@ -65,7 +66,12 @@ async def run_worker(cfg: WorkerConfig) -> int:
             return 1
 
         serving = serve_kv(
-            kv_router, worker.kv_store, worker.kv_held, worker.records, worker.kv_stats
+            kv_router,
+            worker.kv_store,
+            worker.kv_held,
+            worker.records,
+            worker.kv_stats,
+            worker.nixl_push.registered,
         )
         stack.push_async_callback(cancel_task, loop.create_task(serving))
         if cfg.proxy is not None:

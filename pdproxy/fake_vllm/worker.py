@@ -19,6 +19,7 @@ from pdproxy.fake_vllm.http_json import ApiError, json_response, parse_json_obje
 from pdproxy.fake_vllm.kv_handoff import KvHandoff
 from pdproxy.fake_vllm.kv_held import HeldTransfers
 from pdproxy.fake_vllm.kv_mooncake import query_answer
+from pdproxy.fake_vllm.kv_nixl_push import NixlPushFlow
 from pdproxy.fake_vllm.kv_params import request_params
 from pdproxy.fake_vllm.kv_pull_flow import PullFlow
 from pdproxy.fake_vllm.kv_push_flow import PushFlow
@@ -41,17 +42,21 @@ class FakeWorker:
         self.records = Records()
         self.load = LoadTracker(cfg.kv_capacity_tokens)
         self.control = Control(self.records, self.load)
-        # A fresh engine id per start, as vLLM's: a restarted prefill is another engine.
-        self.engine_id = str(uuid.uuid4())
+        # A fresh engine id per start unless given, as vLLM's: a restarted prefill is another
+        # engine.
+        self.engine_id = cfg.engine_id
         self.kv_store = KvStore()
         self.kv_held = HeldTransfers(self.engine_id, cfg.kv_timeout_s)
         self.kv_sender = KvSender(ctx, str(cfg.kv))
         self.kv_stats = KvStats.connect(cfg)  # stopped by run_worker
+        push = PushFlow(cfg, self.kv_store, self.kv_sender, self.records, self.kv_stats)
+        self.nixl_push = NixlPushFlow(cfg, push, self.kv_sender, self.records)
         self.kv_handoff = KvHandoff(
             cfg,
             self.records,
-            PushFlow(cfg, self.kv_store, self.kv_sender, self.records, self.kv_stats),
+            push,
             PullFlow(cfg, self.kv_held, ctx, self.records, self.kv_stats),
+            self.nixl_push,
         )
         self.started = int(time.time())
 

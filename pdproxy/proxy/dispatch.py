@@ -209,7 +209,7 @@ class Dispatcher:
                 decode_params = await self._mooncake_decode_params(prefill, uid)
             elif lease.connector is Connector.NIXL_PUSH:
                 leg_params = prefill_params()
-                decode_params = _nixl_push_decode_params(prefill.instance)
+                decode_params = _nixl_push_decode_params(prefill.instance, request_id)
             else:
                 leg_params = prefill_leg_params(lease.connector, decode.instance)
                 decode_params = None
@@ -460,14 +460,16 @@ class Dispatcher:
         self._metrics.decode_first_byte_seen(exchange.notes.decode_first_byte_seconds)
 
 
-def _nixl_push_decode_params(prefill: Instance) -> dict[str, Any]:
+def _nixl_push_decode_params(prefill: Instance, request_id: str) -> dict[str, Any]:
     coordinates = prefill.coordinates
     # The registry refuses a nixl_push prefill without them.
     assert coordinates is not None
     assert coordinates.engine_id is not None and coordinates.side_channel is not None
     geometry = prefill.geometry
     tp_size = 1 if geometry is None or geometry.tp_size is None else geometry.tp_size
-    return nixl_push_decode_params(coordinates.engine_id, coordinates.side_channel, tp_size)
+    return nixl_push_decode_params(
+        coordinates.engine_id, coordinates.side_channel, tp_size, request_id
+    )
 
 
 def _bootstrap_of(prefill: Instance) -> Address | None:

@@ -76,14 +76,23 @@ def mooncake_decode_params(transfer_id: str, bootstrap: Address, engine_id: str)
     }
 
 
-def nixl_push_decode_params(engine_id: str, side_channel: Address, tp_size: int) -> dict[str, Any]:
+def nixl_push_decode_params(
+    engine_id: str, side_channel: Address, tp_size: int, request_id: str
+) -> dict[str, Any]:
     """NixlPushConnector's decode leg: register its blocks with this prefill engine, reached
     at its NIXL side channel, which then writes the KV into them (vLLM matches the two legs by
-    their request id, which pdproxy sends alike on both)."""
+    their request id, which pdproxy sends alike on both).
+
+    `remote_request_id` is required: vLLM 0.32's NIXL scheduler reads it unguarded when it
+    queues the receive (NixlConnectorMetadata.add_new_req_to_recv), and without it the decode's
+    engine dies on a KeyError. The prefill's own id (vLLM adds a random suffix) is unknown
+    before it answers; vLLM uses this one only to name the prefill request in heartbeats, which
+    then extend no lease, so the X-Request-Id both legs carry stands for it."""
     return {
         "do_remote_prefill": True,
         "do_remote_decode": False,
         "remote_engine_id": engine_id,
+        "remote_request_id": request_id,
         "remote_host": side_channel.host,
         "remote_port": side_channel.port,
         "tp_size": tp_size,

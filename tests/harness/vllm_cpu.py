@@ -89,9 +89,15 @@ class VllmServer:
     tp_size: int = 1  # ranks in worker processes; `cpu` then names one core list per rank
     # None: the connector picks the address itself (the local end of its route to the registry).
     advertise_host: str | None = LOOPBACK
-    # "PdproxyConnector" (pdproxy's, announcing itself) or "NixlConnector" (vLLM's, on host
-    # memory; `kv_port` is then its side-channel port, and nothing announces it).
-    kv_connector: Literal["PdproxyConnector", "NixlConnector"] = "PdproxyConnector"
+    # "PdproxyConnector" (pdproxy's, announcing itself), or vLLM's "NixlConnector" (pull) or
+    # "NixlPushConnector", on host memory: `kv_port` is then the NIXL side-channel port, and
+    # nothing announces the server.
+    kv_connector: Literal["PdproxyConnector", "NixlConnector", "NixlPushConnector"] = (
+        "PdproxyConnector"
+    )
+    # vLLM's NIXL engine id (kv_transfer_config.engine_id); None: vLLM draws a random one. A
+    # NIXL push decode must be told its prefill's engine id up front, so a test fixes it.
+    engine_id: str | None = None
     process: ManagedProcess | None = field(default=None, init=False)
 
     @property
@@ -114,13 +120,20 @@ class VllmServer:
     def log_path(self) -> Path:
         return self.work / f"{self.name}.log"
 
+    @property
+    def uses_nixl(self) -> bool:
+        return self.kv_connector in ("NixlConnector", "NixlPushConnector")
+
     def kv_transfer_config(self) -> dict[str, Any]:
-        if self.kv_connector == "NixlConnector":
-            return {
-                "kv_connector": "NixlConnector",
+        if self.uses_nixl:
+            config: dict[str, Any] = {
+                "kv_connector": self.kv_connector,
                 "kv_role": self.kv_role,
                 "kv_buffer_device": "cpu",
             }
+            if self.engine_id is not None:
+                config["engine_id"] = self.engine_id
+            return config
         extra: dict[str, Any] = {
             "http_port": self.http_port,
             "record_path": str(self.record_path),
@@ -192,7 +205,7 @@ class VllmServer:
             "VLLM_CACHE_ROOT": str(self.work / f"{self.name}.vllm-cache"),
             "VLLM_LOGGING_LEVEL": "INFO",
         }
-        if self.kv_connector == "NixlConnector":
+        if self.uses_nixl:
             # NIXL's handshake listens here (one side channel per server on a shared host).
             env["VLLM_NIXL_SIDE_CHANNEL_HOST"] = LOOPBACK
             env["VLLM_NIXL_SIDE_CHANNEL_PORT"] = str(self.kv_port)

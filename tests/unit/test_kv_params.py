@@ -69,12 +69,15 @@ def test_mooncake_and_nixl_push_legs_carry_what_vllms_connectors_read() -> None:
     assert decode["remote_bootstrap_addr"] == "http://10.0.0.5:8998"
     assert (decode["transfer_id"], decode["remote_engine_id"]) == ("t1", "engine-a")
     assert decode["do_remote_prefill"] is True and decode["do_remote_decode"] is False
-    # NixlPushConnectorScheduler.update_state_after_alloc: remote_engine_id/host/port, tp_size.
-    push = nixl_push_decode_params("engine-p", Address("10.0.0.6", 5600), 2)
+    # NixlPushConnectorScheduler.update_state_after_alloc: remote_engine_id/host/port, tp_size;
+    # NixlConnectorMetadata.add_new_req_to_recv: remote_request_id (a KeyError without it
+    # killed the decode's engine on real vLLM 0.32).
+    push = nixl_push_decode_params("engine-p", Address("10.0.0.6", 5600), 2, "req-1")
     assert push == {
         "do_remote_prefill": True,
         "do_remote_decode": False,
         "remote_engine_id": "engine-p",
+        "remote_request_id": "req-1",
         "remote_host": "10.0.0.6",
         "remote_port": 5600,
         "tp_size": 2,

@@ -1,0 +1,217 @@
+"""pdproxy's nixl_push flow in front of real vLLM 0.32 NixlPushConnector instances (NIXL's UCX
+backend on host memory, `kv_buffer_device: cpu`).
+
+One prefill (its NIXL engine id fixed with kv_transfer_config's `engine_id`, so it can be
+declared up front) and one decode serve two proxies: one told them statically
+(`connector=nixl_push,engine_id=...,side_channel=HOST:PORT`), one that learns them from
+`pdproxy announce --connector nixl_push --engine-id --side-channel` sidecars. Both legs go at
+once; the decode leg names the prefill, registers its blocks there, and the prefill writes the
+KV into them once computed.
+
+Every answer through a proxy is the decode's own answer to the same prompt asked directly
+(fresh: a `cache_salt` of its own per request). In push mode the prefill does the transfer, so
+vLLM counts it there (`vllm:nixl_bytes_transferred_count`, one sample per WRITE), while the
+decode counts the prompt tokens it took from outside; neither counts a failed transfer.
+"""
+
+from __future__ import annotations
+
+import time
+from collections.abc import Iterator
+from concurrent.futures import ThreadPoolExecutor
+from contextlib import ExitStack
+from dataclasses import dataclass
+from pathlib import Path
+from typing import Final
+
+import pytest
+
+from pdproxy.demo.fleet import LocalFleet
+from pdproxy.demo.processes import ManagedProcess, free_ports, pdproxy_command, wait_until
+from tests.harness.vllm_cpu import MODEL_NAME, VllmServer, running_servers
+from tests.harness.vllm_env import VllmEnv
+from tests.vllm.test_kv_transfer_real import PROMPTS
+from tests.vllm.test_nixl_real import (
+    ENDPOINTS,
+    EXTERNAL,
+    FAILED,
+    GEOMETRY,
+    SIDECAR_GEOMETRY_FLAGS,
+    TRANSFERS,
+    Answer,
+    assert_same,
+    client,
+    complete,
+    proxy_pairs,
+    sample_sum,
+    spec_value,
+)
+
+pytestmark = pytest.mark.vllm
+
+ENGINE_ID = "pdproxy-push-prefill"
+REGISTRATION_TIMEOUT_S = 30.0
+COUNTER_TIMEOUT_S = 15.0  # vLLM publishes connector stats with its next engine step
+CONCURRENT = 4
+PUSH: Final = "NixlPushConnector"
+
+
+@dataclass
+class PushFleet:
+    prefill: VllmServer
+    decode: VllmServer
+    proxies: dict[str, LocalFleet]  # "static" and "announced"
+
+
+def static_spec(server: VllmServer, prefill: bool) -> str:
+    geometry = ",".join(f"{key}={spec_value(value)}" for key, value in GEOMETRY.items())
+    spec = f"http={server.http_address},zmq={server.zmq_address},connector=nixl_push,{geometry}"
+    # zmq= and side_channel= are both NIXL's side channel: the request id names it too.
+    return spec + (f",engine_id={ENGINE_ID},side_channel={server.zmq_address}" if prefill else "")
+
+
+def sidecar(server: VllmServer, role: str, registry: str, model: Path, log: Path) -> ManagedProcess:
+    coordinates = ["--engine-id", ENGINE_ID, "--side-channel", server.zmq_address]
+    return ManagedProcess(
+        f"announce-{server.name}",
+        pdproxy_command(
+            "announce",
+            *("--role", role, "--http-address", server.http_address),
+            *("--zmq-address", server.zmq_address, "--registry", registry),
+            *("--model", MODEL_NAME, "--connector", "nixl_push"),
+            *("--model-config", str(model / "config.json"), *SIDECAR_GEOMETRY_FLAGS),
+            *(coordinates if role == "P" else []),
+            *("--interval", "0.5"),
+        ),
+        log,
+    )
+
+
+@pytest.fixture(scope="module")
+def push_fleet(
+    vllm_env: VllmEnv, vllm_model: Path, tmp_path_factory: pytest.TempPathFactory
+) -> Iterator[PushFleet]:
+    work = tmp_path_factory.mktemp("nixl-push")
+    p_http, p_side, d_http, d_side = free_ports(4)
+    prefill = VllmServer(
+        "push-P",
+        "kv_producer",
+        p_http,
+        p_side,
+        work,
+        cpu="0",
+        kv_connector=PUSH,
+        engine_id=ENGINE_ID,
+    )
+    decode = VllmServer("push-D", "kv_consumer", d_http, d_side, work, cpu="1", kv_connector=PUSH)
+    with ExitStack() as stack:
+        specs = ["--prefill", static_spec(prefill, True), "--decode", static_spec(decode, False)]
+        static = LocalFleet(work / "static", [], ["--ttl", "10", *specs])
+        stack.callback(static.stop)
+        static.start()
+        announced = LocalFleet(work / "announced", [], ["--ttl", "10"])
+        stack.callback(announced.stop)
+        announced.start()
+        started = time.monotonic()
+        stack.enter_context(running_servers(vllm_env, vllm_model, [prefill, decode]))
+        print(f"\nreal vLLM NIXL push P and D serving after {time.monotonic() - started:.1f} s")
+        for server, role in ((prefill, "P"), (decode, "D")):
+            process = sidecar(
+                server, role, announced.registry_address, vllm_model, work / f"{server.name}.ann"
+            )
+            stack.callback(process.stop)
+            process.start()
+        wait_until(
+            lambda: {prefill.http_address, decode.http_address} <= announced.registered(),
+            REGISTRATION_TIMEOUT_S,
+            "the sidecars' announcements",
+        )
+        yield PushFleet(prefill, decode, {"static": static, "announced": announced})
+
+
+@dataclass(frozen=True)
+class PushCounters:
+    written: float  # on the prefill: one sample per NIXL WRITE
+    failed: float  # both sides
+    external_tokens: float  # on the decode
+
+    @classmethod
+    def of(cls, fleet: PushFleet) -> PushCounters:
+        return cls(
+            sample_sum(fleet.prefill, TRANSFERS),
+            sample_sum(fleet.prefill, FAILED) + sample_sum(fleet.decode, FAILED),
+            sample_sum(fleet.decode, "vllm:prompt_tokens_by_source_total", EXTERNAL),
+        )
+
+    def minus(self, before: PushCounters) -> PushCounters:
+        return PushCounters(
+            self.written - before.written,
+            self.failed - before.failed,
+            self.external_tokens - before.external_tokens,
+        )
+
+
+def moved_since(fleet: PushFleet, before: PushCounters, answers: list[Answer]) -> PushCounters:
+    """The counters once the decode counted every answer's prompt tokens (bounded wait)."""
+    tokens = sum(answer.prompt_tokens for answer in answers)
+    wait_until(
+        lambda: (
+            PushCounters.of(fleet).minus(before).external_tokens >= tokens
+            and PushCounters.of(fleet).minus(before).written >= len(answers)
+        ),
+        COUNTER_TIMEOUT_S,
+        f"the pair to count {len(answers)} NIXL push transfer(s)",
+    )
+    time.sleep(0.3)  # a stray extra transfer would be counted by now
+    return PushCounters.of(fleet).minus(before)
+
+
+def check_counters(moved: PushCounters, answers: list[Answer], label: str) -> None:
+    print(
+        f"\n{label}: prefill {TRANSFERS} +{moved.written:g}, {FAILED} (P+D) +{moved.failed:g}, "
+        f'decode prompt_tokens_by_source{{source="{EXTERNAL}"}} +{moved.external_tokens:g}'
+    )
+    assert moved.written == len(answers)
+    assert moved.failed == 0
+    assert moved.external_tokens == sum(a.prompt_tokens for a in answers)
+
+
+@pytest.mark.parametrize("setup", ["static", "announced"])
+@pytest.mark.parametrize("endpoint", list(ENDPOINTS))
+def test_answer_through_nixl_push_is_the_decodes_own(
+    push_fleet: PushFleet, setup: str, endpoint: str
+) -> None:
+    proxy = push_fleet.proxies[setup]
+    through_proxy, directly = ENDPOINTS[endpoint]
+    prompt = PROMPTS["multi_block"]
+    before = PushCounters.of(push_fleet)
+    through = through_proxy(client(proxy.proxy_url), prompt)
+    moved = moved_since(push_fleet, before, [through])
+    own = directly(client(push_fleet.decode.url), prompt)
+    assert_same(through, own, f"{setup} {endpoint}")
+    check_counters(moved, [through], f"{setup} {endpoint}, {through.prompt_tokens} prompt tokens")
+
+
+def test_concurrent_requests_each_get_their_own_answer(push_fleet: PushFleet) -> None:
+    proxy = push_fleet.proxies["static"]
+    words = PROMPTS["multi_block"].split()
+    # Different first words: prompts of the same length whose answers must differ.
+    prompts = [" ".join([f"w{i}", *words[1:]]) for i in range(CONCURRENT)]
+    before = PushCounters.of(push_fleet)
+    with ThreadPoolExecutor(CONCURRENT) as pool:
+        through = list(pool.map(lambda p: complete(client(proxy.proxy_url), p), prompts))
+    moved = moved_since(push_fleet, before, through)
+    own = [complete(client(push_fleet.decode.url), prompt) for prompt in prompts]
+    for index, (mine, theirs) in enumerate(zip(through, own, strict=True)):
+        assert_same(mine, theirs, f"concurrent #{index}")
+    # The equality means something: different prompts give different answers.
+    assert len({answer.logprobs for answer in own}) == CONCURRENT
+    check_counters(moved, through, f"{CONCURRENT} concurrent")
+
+
+def test_both_setups_pair_the_push_prefill_with_its_coordinates(push_fleet: PushFleet) -> None:
+    prefill, decode = push_fleet.prefill, push_fleet.decode
+    for setup, proxy in push_fleet.proxies.items():
+        assert proxy_pairs(proxy) == {prefill.http_address: [decode.http_address]}, setup
+        listed = {item["http_address"]: item for item in proxy.instances()}
+        assert listed[prefill.http_address]["connector"] == "nixl_push", setup
