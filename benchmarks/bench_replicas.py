@@ -31,9 +31,12 @@ from bench_pairing import (
 from fleet_sim import FleetSim, FleetSpec, RunResult
 from workload import WorkloadSpec, build_workload
 
+from pdproxy.vllm_side.announcer import LOAD_REPORT_S
+
 TTFT_RATIO_GOAL = 1.2
 HIT_RATE_POINTS_GOAL = 0.05
-REPORT_PERIOD_S = (0.5, 1.0)
+# The announcer samples the load every LOAD_REPORT_S and announces it when it changed.
+REPORT_PERIOD_S = (LOAD_REPORT_S, LOAD_REPORT_S)
 
 
 def simulate(scenario: Scenario, replicas: int, rate: float, capacity: float, k: int) -> RunResult:
