@@ -88,7 +88,7 @@ class InFlight:
         would read the legs placed since the report as already in it, and others' load would
         shrink to nothing between reports. (Two equal reports in a row read as one.)"""
         known = self._reports.get(address)
-        if known is not None and known.load == load:
+        if known is not None and (known.load is load or known.load == load):
             return known
         busy = self._busy.get(address, _IDLE)
         others = float(max(0, requests_in(load) - busy.requests))
