@@ -1,14 +1,15 @@
 """Replicas route alike: 3 proxy replicas sharing the traffic against 1, same fleet, same load.
 
 The fleet simulator (fleet_sim.py) with pdproxy's default policies (prefix_affinity / least_kv):
-one planner gets every request, or three planners (replicas, each with only its own legs in
-flight) get every third, as an L4 balancer deals them; every worker announces its load to all
-of them at most 1 s after it changed (pdproxy.vllm_side.announcer, LOAD_REPORT_S), so the load
-reports are drawn 0.5-1 s apart. Load: 80% of the fleet's capacity (round robin's saturation
-throughput, as bench_pairing.py measures it). Goal (issue 23): TTFT p99 of 3 replicas within
-1.2x of one replica's, prefix-hit rate within 5 points.
+one planner gets every request, or three planners (replicas, each with its own table and only
+its own legs in flight) get every third, as an L4 balancer deals them; every worker samples its
+load every LOAD_REPORT_S (pdproxy.vllm_side.announcer: a changed load is announced at most that
+long after) and each replica's table gets it after its own delivery delay. Load: 80% of the
+fleet's capacity (round robin's saturation throughput, as bench_pairing.py measures it).
+Goal (issue 23): TTFT p99 of 3 replicas within 1.2x of one replica's, prefix-hit rate within 5
+points.
 
-    .venv/bin/python benchmarks/bench_replicas.py            # 3 seeds x 10,000 requests (~2 min)
+    .venv/bin/python benchmarks/bench_replicas.py            # 3 seeds x 10,000 requests (minutes)
     .venv/bin/python benchmarks/bench_replicas.py --quick    # 1 seed x 3,000 requests
 """
 
@@ -31,9 +32,12 @@ from bench_pairing import (
 from fleet_sim import FleetSim, FleetSpec, RunResult
 from workload import WorkloadSpec, build_workload
 
+from pdproxy.vllm_side.announcer import LOAD_REPORT_S
+
 TTFT_RATIO_GOAL = 1.2
 HIT_RATE_POINTS_GOAL = 0.05
-REPORT_PERIOD_S = (0.5, 1.0)
+# The announcer samples the load every LOAD_REPORT_S and announces it when it changed.
+REPORT_PERIOD_S = (LOAD_REPORT_S, LOAD_REPORT_S)
 
 
 def simulate(scenario: Scenario, replicas: int, rate: float, capacity: float, k: int) -> RunResult:

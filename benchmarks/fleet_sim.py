@@ -3,12 +3,16 @@ real planner and policies (pdproxy/pairing) over pdproxy's real registry table.
 
 Only the GPUs are modelled; every routing decision is the code under test:
 
-* each arrival asks ``RegistryTable.snapshot(now)`` for the fleet (load-only changes show up
-  at most every ``LOAD_REFRESH_SECONDS``, as in the proxy) and ``Planner.plan`` for a pair;
-  the prefill leg is released when the prefill ends, the decode leg when the last token is out;
-* every worker announces ``Load(running, waiting, kv_usage)`` every 1-3 s (uniformly drawn
-  each time) through ``RegistryTable.announce``; between reports the planner sees only its own
-  legs in flight.
+* each arrival asks its replica's ``RegistryTable.snapshot(now)`` for the fleet (load-only
+  changes show up at most every ``LOAD_REFRESH_SECONDS``, as in the proxy) and
+  ``Planner.plan`` for a pair; the prefill leg is released when the prefill ends, the decode
+  leg when the last token is out;
+* every worker samples its ``Load(running, waiting, kv_usage)`` every ``report_period_s``
+  (drawn each time; the first at a random phase) and announces it to every replica, each of
+  which gets it ``delivery_s`` later (drawn per replica and message: the network and the
+  registry's loop) through its own ``RegistryTable.announce``. Between reports a planner sees
+  only its own legs in flight on top of the last report it got; no replica sees another's
+  legs any sooner.
 
 The model (times in simulated seconds, one simulated clock, one seeded RNG):
 
@@ -26,9 +30,9 @@ The model (times in simulated seconds, one simulated clock, one seeded RNG):
   of the running requests); otherwise it waits (FIFO). No preemption: a batch may overshoot
   the KV capacity by the tokens it generates.
 * replicas: with several planners (``FleetSim(planner=[...])``), each one a proxy replica with
-  its own legs in flight, its own prefix-cache estimate and its own rings, arrivals are dealt to
-  them in turn (an L4 balancer's round robin); they share the table, as replicas do whose
-  workers announce to each of them (pdproxy.vllm_side.fanout).
+  its own table, legs in flight, prefix-cache estimate and rings, arrivals are dealt to them in
+  turn (an L4 balancer's round robin); each worker announces to every one of them
+  (pdproxy.vllm_side.fanout), each table getting the announcement at its own time.
 * TTFT = arrival -> prefill queue + prefill -> KV transfer -> decode queue -> end of the first
   decode step the request takes part in.
 """
@@ -79,6 +83,7 @@ class FleetSpec:
     decode_kv_tokens: int = 262_144  # per decode instance; also the planner's kv capacity
     kv_bytes_per_s: float = 25e9  # P -> D KV bandwidth (RDMA / NVLink class)
     report_period_s: tuple[float, float] = (1.0, 3.0)  # each report's gap, uniform
+    delivery_s: tuple[float, float] = (0.2e-3, 2e-3)  # a report's trip to a replica, uniform
     report_load: bool = True  # False: announcements carry no load (in-flight counts only)
     geometry: Geometry = LLAMA_8B
     connector: Connector = Connector.P2P_NCCL
@@ -216,7 +221,10 @@ class FleetSim:
         self.now = 0.0
         self._events: list[tuple[float, int, Callable[[], None]]] = []
         self._seq = 0
-        self.table = RegistryTable(ttl=3600.0, max_instances=spec.prefills + spec.decodes)
+        self.tables = [
+            RegistryTable(ttl=3600.0, max_instances=spec.prefills + spec.decodes)
+            for _ in self.planners
+        ]
         capacity_blocks = spec.prefix_cache_tokens // spec.block_tokens
         self.prefills = [
             PrefillWorker(i, *prefill_address(i), PrefixCache(capacity_blocks))
@@ -236,10 +244,13 @@ class FleetSim:
         heapq.heappush(self._events, (when, self._seq, action))
 
     def run(self) -> RunResult:
+        # Registered everywhere before the first arrival; load reports start at random phases.
         for worker in self.prefills:
-            self._report_prefill(worker)
+            self._announce_now(Role.PREFILL, worker.http_address, worker.zmq_address, Load())
+            self.at(self._first_report(), functools.partial(self._report_prefill, worker))
         for dworker in self.decodes:
-            self._report_decode(dworker)
+            self._announce_now(Role.DECODE, dworker.http_address, dworker.zmq_address, Load())
+            self.at(self._first_report(), functools.partial(self._report_decode, dworker))
         t = 0.0
         for request in self.requests:
             # The warm-up requests arrive at warmup_rate: caches fill without the backlog
@@ -271,13 +282,28 @@ class FleetSim:
 
     # -- announcements ---------------------------------------------------------------------
 
+    def _announce_now(self, role: Role, http: Address, zmq: Address, load: Load) -> None:
+        for table in self.tables:
+            table.announce(self._announcement(role, http, zmq, load), self.now)
+
     def _announce(self, role: Role, http: Address, zmq: Address, load: Load) -> None:
+        """To every replica, each getting it after its own delivery delay."""
+        if not self.spec.report_load:
+            return  # registered once; heartbeats without load change nothing
+        announcement = self._announcement(role, http, zmq, load)
+        for table in self.tables:
+            delay = self.rng.uniform(*self.spec.delivery_s)
+            self.at(
+                self.now + delay,
+                functools.partial(self._deliver, table, announcement),
+            )
+
+    def _deliver(self, table: RegistryTable, announcement: Announcement) -> None:
+        table.announce(announcement, self.now)
+
+    def _announcement(self, role: Role, http: Address, zmq: Address, load: Load) -> Announcement:
         spec = self.spec
-        if not spec.report_load:
-            if self.now > 0:
-                return  # registered once; heartbeats without load change nothing
-            load = Load()
-        announcement = Announcement(
+        return Announcement(
             version=1,
             role=role,
             http_address=http,
@@ -287,7 +313,10 @@ class FleetSim:
             geometry=spec.geometry,
             load=load,
         )
-        self.table.announce(announcement, self.now)
+
+    def _first_report(self) -> float:
+        """Workers start at random phases of their report period."""
+        return self.rng.uniform(*self.spec.report_period_s) * self.rng.random()
 
     def _next_report(self) -> float:
         return self.now + self.rng.uniform(*self.spec.report_period_s)
@@ -315,9 +344,9 @@ class FleetSim:
     # -- requests --------------------------------------------------------------------------
 
     def _arrive(self, job: Job) -> None:
-        snapshot = self.table.snapshot(self.now)
-        self._snapshot_ids.add(id(snapshot))
         job.replica = job.request.index % len(self.planners)
+        snapshot = self.tables[job.replica].snapshot(self.now)
+        self._snapshot_ids.add(id(snapshot))
         choice = self.planners[job.replica].plan(snapshot, job.request.features)
         if isinstance(choice, NoPair):
             raise SimError(f"no pair: {choice.reason}")

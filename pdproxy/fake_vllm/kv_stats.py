@@ -86,13 +86,20 @@ class KvStats:
 
     @classmethod
     def connect(cls, cfg: WorkerConfig) -> KvStats:
-        """Report to cfg.proxy when the worker announces in v1 (stock vLLM reports nothing)."""
+        """Report to cfg.proxy (every address its name has) when the worker announces in v1
+        (stock vLLM reports nothing)."""
         if cfg.proxy is None or cfg.announce != "v1":
             return cls(cfg)
         ranks = cfg.geometry.tp_size
         reporters: list[RankReporter] = [
             StatsReporter.connect(
-                str(cfg.proxy), cfg.role, str(cfg.http), rank, ranks, cfg.registry_secret
+                str(cfg.proxy),
+                cfg.role,
+                str(cfg.http),
+                rank,
+                ranks,
+                cfg.registry_secret,
+                refresh_s=cfg.announce_interval_s,
             )
             for rank in range(ranks)
         ]

@@ -1,7 +1,9 @@
 """The proxy's own legs in flight, per instance: the load no announcement has shown yet. Pure.
 
-Announced load lags by a report period (seconds); without this count every request of a burst
-would go to the instance that looked idle at the last report.
+Announced load lags by a report period (up to a second); without this count every request of a
+burst would go to the instance that looked idle at the last report. To read a report net of
+the proxy's own legs (what is left is other replicas' and clients' load), the own legs at the
+moment the report was first seen are kept with it (`report`).
 """
 
 from __future__ import annotations
@@ -10,6 +12,7 @@ from collections.abc import Callable, Iterable
 from dataclasses import dataclass
 
 from pdproxy.ids import Address
+from pdproxy.registry.messages import Load
 
 
 @dataclass(slots=True)
@@ -19,6 +22,26 @@ class Busy:
 
 
 _IDLE = Busy()
+
+# How far each new report moves the averages in Report (a report a second: about 4 s memory).
+REPORT_SMOOTHING = 0.25
+
+
+def requests_in(load: Load | None) -> int:
+    return 0 if load is None else (load.running or 0) + (load.waiting or 0)
+
+
+@dataclass(frozen=True, slots=True)
+class Report:
+    """An instance's announced load as this proxy first saw it: `own`, its own legs there at
+    that moment (the part of the announcement that is its own); and, averaged over the reports
+    seen, the requests announced beyond those legs and those legs themselves."""
+
+    load: Load | None
+    own: Busy
+    others_requests: float
+    own_requests: float
+
 
 Listener = Callable[[Address], None]
 
@@ -30,6 +53,8 @@ class InFlight:
         # hold, so they stay exact without rescanning their candidates.
         self._listeners: dict[Address, list[Listener]] = {}
         self._listener_count = 0
+        # The latest report seen per instance; kept to the current fleet by keep_reports.
+        self._reports: dict[Address, Report] = {}
 
     def get(self, address: Address) -> Busy:
         return self._busy.get(address, _IDLE)
@@ -55,6 +80,30 @@ class InFlight:
 
     def total_requests(self) -> int:
         return sum(busy.requests for busy in self._busy.values())
+
+    def report(self, address: Address, load: Load | None) -> Report:
+        """`load` as first seen: the first call with a load unequal to the last one takes the
+        own legs now, later calls get the same Report. Score boards are rebuilt with every
+        snapshot, mostly for other instances' reports: taking the own legs anew each time
+        would read the legs placed since the report as already in it, and others' load would
+        shrink to nothing between reports. (Two equal reports in a row read as one.)"""
+        known = self._reports.get(address)
+        if known is not None and (known.load is load or known.load == load):
+            return known
+        busy = self._busy.get(address, _IDLE)
+        others = float(max(0, requests_in(load) - busy.requests))
+        own = float(busy.requests)
+        if known is not None:
+            others = known.others_requests + REPORT_SMOOTHING * (others - known.others_requests)
+            own = known.own_requests + REPORT_SMOOTHING * (own - known.own_requests)
+        report = Report(load, Busy(busy.requests, busy.tokens), others, own)
+        self._reports[address] = report
+        return report
+
+    def keep_reports(self, addresses: Iterable[Address]) -> None:
+        """Forget the reports of instances not in `addresses` (bounded by the fleet)."""
+        keep = set(addresses)
+        self._reports = {a: r for a, r in self._reports.items() if a in keep}
 
     def listen(self, addresses: Iterable[Address], listener: Listener) -> None:
         for address in addresses:

@@ -335,6 +335,9 @@ class Planner:
         ):
             # The old index's score boards go with it: only the new ones follow the legs.
             self.inflight.clear_listeners()
+            self.inflight.keep_reports(
+                i.http_address for i in (*snapshot.prefills, *snapshot.decodes)
+            )
             self._index = self._build_index(without(snapshot, excluded), live=True)
             self._index_source = (snapshot, excluded)
         return self._index

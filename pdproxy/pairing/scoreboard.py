@@ -13,7 +13,7 @@ from dataclasses import dataclass
 from enum import StrEnum
 
 from pdproxy.ids import Address
-from pdproxy.pairing.inflight import Busy, InFlight
+from pdproxy.pairing.inflight import Busy, InFlight, Report, requests_in
 from pdproxy.registry.table import Instance
 
 
@@ -26,19 +26,25 @@ class LoadKind(StrEnum):
 @dataclass(frozen=True, slots=True)
 class Scoring:
     """A load as two parts: what the proxy's own legs in flight put on an instance (exact,
-    current) and what the instance last announced (seconds old, all clients included)."""
+    current) and what the instance last announced (up to a second old, all clients included).
+    With `scaled`, the announcement is not added per instance: it tells what share of the
+    candidates' requests the proxy holds, and the own part is scaled up to the whole."""
 
     own: Callable[[Busy], float]
     announced: Callable[[Instance], float]
+    scaled: bool = False
 
 
 def announced_requests(instance: Instance) -> float:
-    load = instance.load
-    return 0.0 if load is None else float((load.running or 0) + (load.waiting or 0))
+    return float(requests_in(instance.load))
 
 
 def own_requests(busy: Busy) -> float:
     return float(busy.requests)
+
+
+def own_tokens(busy: Busy) -> float:
+    return float(busy.tokens)
 
 
 def announced_kv(instance: Instance) -> float:
@@ -50,21 +56,35 @@ def scoring(kind: LoadKind, kv_capacity_tokens: int) -> Scoring:
     if kind is LoadKind.REQUESTS:
         return Scoring(own_requests, announced_requests)
     if kind is LoadKind.PREFILL_WORK:
-        return Scoring(lambda busy: float(busy.tokens), lambda instance: 0.0)
+        return Scoring(own_tokens, announced_requests, scaled=True)
     return Scoring(lambda busy: busy.tokens / kv_capacity_tokens, announced_kv)
+
+
+def fleet_scale(reports: Sequence[Report]) -> float:
+    """1 + (others' requests / the proxy's own), both averaged over the reports: about the
+    number of proxy replicas sharing the traffic (1.0 alone, or before any report)."""
+    own = math.fsum(report.own_requests for report in reports)
+    others = math.fsum(report.others_requests for report in reports)
+    return 1.0 + others / own if own > 0 else 1.0
+
+
+def scaled_own(own: Callable[[Busy], float], scale: float) -> Callable[[Busy], float]:
+    if scale == 1.0:
+        return own
+    return lambda busy: scale * own(busy)
 
 
 class ScoreBoard:
     """Score = own legs now + others' load, where others' load is the announcement minus the
-    own legs in flight when the board was built (a board lives for one snapshot, which is
-    rebuilt when load reports arrive). The announcement already includes the proxy's own legs
-    that reached the instance, seconds late: adding both would count them twice and steer by
-    stale reports (docs/performance.md, "Pairing decisions"); taking only one would ignore
-    other proxy replicas and direct clients."""
+    own legs in flight when that announcement was first seen (InFlight.report): it already
+    includes the proxy's own legs that had reached the instance, and adding both would count
+    them twice (docs/performance.md, "Pairing decisions"); taking only one would ignore other
+    proxy replicas and direct clients. A `scaled` scoring instead multiplies the own legs by
+    fleet_scale (others' load: 0). A board lives for one snapshot, rebuilt when load reports
+    arrive."""
 
     def __init__(self, instances: Sequence[Instance], scoring: Scoring, inflight: InFlight) -> None:
         self.instances = instances
-        self._own = scoring.own
         self._inflight = inflight
         self._positions: dict[Address, int] = {
             instance.http_address: i for i, instance in enumerate(instances)
@@ -73,10 +93,19 @@ class ScoreBoard:
         while size < len(instances):
             size *= 2
         self._size = size
-        owns = [scoring.own(inflight.get(i.http_address)) for i in instances]
-        self.others = [
-            max(0.0, scoring.announced(i) - own) for i, own in zip(instances, owns, strict=True)
-        ]
+        reports = [inflight.report(i.http_address, i.load) for i in instances]
+        if scoring.scaled:
+            self.scale = fleet_scale(reports)
+            self._own = scaled_own(scoring.own, self.scale)
+            self.others = [0.0] * len(instances)
+        else:
+            self.scale = 1.0
+            self._own = scoring.own
+            self.others = [
+                max(0.0, scoring.announced(i) - scoring.own(r.own))
+                for i, r in zip(instances, reports, strict=True)
+            ]
+        owns = [self._own(inflight.get(i.http_address)) for i in instances]
         self.values = [own + other for own, other in zip(owns, self.others, strict=True)]
         self.total = math.fsum(self.values)
         # _best[node]: index of the least loaded candidate under `node` (-1: empty leaf).

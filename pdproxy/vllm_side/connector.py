@@ -213,7 +213,13 @@ class PdproxyConnector(KVConnectorBase_V1):  # type: ignore[misc]
         secret_file = settings.registry_secret_file
         secret = None if secret_file is None else read_secret_file(secret_file)
         reporter = StatsReporter.connect(
-            settings.registry, settings.role, settings.http_address, rank, ranks, secret
+            settings.registry,
+            settings.role,
+            settings.http_address,
+            rank,
+            ranks,
+            secret,
+            refresh_s=settings.announce_interval_s,
         )
         self._closers.append(reporter)
         return reporter

@@ -5,12 +5,16 @@ registry's own decoder (one bad entry would make the proxy refuse the whole mess
 on a bounded queue without ever blocking; when the queue is full the entry is dropped and
 counted. A daemon thread sends what has piled up as few messages as the limits allow (at most
 MAX_TRANSFERS entries and MAX_MESSAGE_BYTES each), signed like the announcements, through a
-RegistryClient, which drops (counted here too) rather than waits when the registry is away.
+FanOutClient, as the announcer does: every proxy replica the registry's name resolves to gets
+every entry (each counts KV transfers in its own /metrics), the name is looked up again every
+`refresh_s`, and a replica that is away loses its own messages (counted here too) without
+delaying the others.
 """
 
 from __future__ import annotations
 
 import logging
+import math
 import queue
 import threading
 import time
@@ -24,7 +28,8 @@ from pdproxy.base.roles import Role
 from pdproxy.registry.auth import new_nonce, signed
 from pdproxy.registry.messages import MAX_TRANSFERS
 from pdproxy.vllm_side.announcement import TransferStat, stats_message
-from pdproxy.vllm_side.registry_client import RegistryClient
+from pdproxy.vllm_side.announcer import DEFAULT_INTERVAL_S
+from pdproxy.vllm_side.fanout import FanOutClient, announce_resolver
 
 log = logging.getLogger("pdproxy.vllm_side")
 
@@ -36,7 +41,9 @@ _POLL_S = 0.2  # how often the idle sender thread looks at the stop flag
 
 
 class Sender(Protocol):
-    """What the reporter sends through: a RegistryClient (a stub in tests)."""
+    """What the reporter sends through: a FanOutClient (a stub in tests)."""
+
+    def refresh(self) -> None: ...
 
     def send(self, message: dict[str, Any]) -> bool: ...
 
@@ -60,11 +67,15 @@ class StatsReporter:
         secret: bytes | None = None,
         queue_size: int = DEFAULT_QUEUE,
         wall_clock: Callable[[], float] = time.time,
+        refresh_s: float = DEFAULT_INTERVAL_S,
     ) -> None:
         stats_message(role, http_address, rank, ranks, [])  # raises ValueError on a bad rank
         if queue_size < 1:
             raise ValueError("queue_size must be at least 1")
+        if refresh_s <= 0:
+            raise ValueError("refresh_s must be positive")
         self._client = client
+        self._refresh_s = refresh_s
         self._envelope = (role, http_address, rank, ranks)
         self._secret = secret
         self._wall_clock = wall_clock
@@ -84,16 +95,21 @@ class StatsReporter:
         rank: int,
         ranks: int,
         secret: bytes | None = None,
+        refresh_s: float = DEFAULT_INTERVAL_S,
     ) -> StatsReporter:
-        """A reporter with a RegistryClient of its own (one per rank process), started."""
-        client = RegistryClient(registry_address, stats_identity(http_address, rank))
-        reporter = cls(client, role, http_address, rank, ranks, secret)
+        """A reporter with a FanOutClient of its own (one per rank process), started.
+        `registry_address` may be a name with several addresses (a headless Service)."""
+        client = FanOutClient(
+            registry_address, stats_identity(http_address, rank), announce_resolver(refresh_s)
+        )
+        reporter = cls(client, role, http_address, rank, ranks, secret, refresh_s=refresh_s)
         reporter.start()
         return reporter
 
     @property
     def dropped(self) -> int:
-        """Entries lost: the queue was full, or the registry could not take their message."""
+        """Entries lost: the queue was full, or a replica (at least one) could not take their
+        message, or the registry's name had no address yet."""
         return self._dropped
 
     @property
@@ -164,9 +180,14 @@ class StatsReporter:
         with self._lock:
             self._dropped += count
 
-    def run(self) -> None:
-        """Send as entries arrive (whatever piled up meanwhile goes along), until stop()."""
+    def run(self, clock: Callable[[], float] = time.monotonic) -> None:
+        """Send as entries arrive (whatever piled up meanwhile goes along), until stop(); look
+        the registry's name up again every refresh_s (here: the thread that owns the sockets)."""
+        next_refresh = -math.inf
         while not self._stop.is_set():
+            if clock() >= next_refresh:
+                self._client.refresh()  # bounded by refresh_s (announce_resolver)
+                next_refresh = clock() + self._refresh_s
             try:
                 first = self._queue.get(timeout=_POLL_S)
             except queue.Empty:

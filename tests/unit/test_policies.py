@@ -5,8 +5,9 @@ request's features and a ticket; every test below builds those by hand.
 
 Load-based policies score an instance as the proxy's own legs there now plus others' load: the
 announcement less the proxy's legs there when the candidate set's board was built (never
-below 0). Prefix affinity balances prefill work only: the prompt tokens of the proxy's legs,
-less what each prefill probably holds cached (the planner's PrefixCache).
+below 0), the report first seen). Prefix affinity balances prefill work: the prompt tokens of
+the proxy's legs, less what each prefill probably holds cached (the planner's PrefixCache),
+scaled by the fleet's share of others' requests in the reports.
 """
 
 from __future__ import annotations
@@ -429,9 +430,14 @@ def test_power_of_two_scores_announced_load_net_of_legs_at_build() -> None:
     ]
     inflight.add(instances[0].http_address, 0)  # p1: 2 + 2 = 4 vs 3
     assert {policy.choose(candidates, NO_PREFIX, t) for t in range(40)} == {instances[1]}
-    # A board built now reads p1's 2 announced as part of its 2 legs: 2 vs 3.
+    # A board rebuilt with the same reports reads them as it did: p1 still 4 vs 3.
     rebuilt = cands(instances, inflight)
-    assert {policy.choose(rebuilt, NO_PREFIX, t) for t in range(40)} == {instances[0]}
+    assert {policy.choose(rebuilt, NO_PREFIX, t) for t in range(40)} == {instances[1]}
+    # p1's next report, first seen now, holds its 2 legs: 2 vs 3.
+    reported = (p(1, Load(running=2, waiting=0)), instances[1])
+    assert {policy.choose(cands(reported, inflight), NO_PREFIX, t) for t in range(40)} == {
+        reported[0]
+    }
 
 
 def test_power_of_two_is_deterministic_per_ticket_and_seed() -> None:
@@ -1128,3 +1134,31 @@ def test_prefix_affinity_depends_only_on_the_instance_set() -> None:
         for key, owner in expected.items():
             chosen = policy.choose(cands(tuple(order)), req(key), trial * 1000 + key % 97)
             assert chosen.http_address == owner
+
+
+def test_a_replica_with_a_third_of_the_legs_bounds_like_one_proxy_with_all() -> None:
+    # Three replicas share the traffic alike: each holds a third of every prefill's legs, and
+    # every prefill announces all of them. One replica's choices, over every prefix and
+    # prompt size, are the ones a single proxy holding every leg would make.
+    rng = random.Random(23)
+    n = 6
+    legs = [(rng.randint(0, 4), rng.choice((30, 200, 1500))) for _ in range(n)]
+    reported = tuple(p(i, Load(running=3 * count)) for i, (count, _) in enumerate(legs))
+    unreported = tuple(p(i) for i in range(n))
+    one_third, everything = InFlight(), InFlight()
+    for instance, (count, tokens) in zip(reported, legs, strict=True):
+        for _ in range(count):
+            one_third.add(instance.http_address, tokens)
+        for _ in range(3 * count):
+            everything.add(instance.http_address, tokens)
+    replica, alone = cands(reported, one_third), cands(unreported, everything)
+    assert replica.board(LoadKind.PREFILL_WORK).scale == 3.0
+    policy = PrefixAffinity()
+    spilled = 0
+    for key in keys(60, seed=3):
+        for tokens in (1, 100, 700, 3000):
+            request = RequestFeatures("m", tokens, tokens, keyed(tokens, key))
+            choice = policy.choose(alone, request, 0)
+            assert policy.choose(replica, request, 0).name == choice.name, (key, tokens)
+            spilled += choice.name != home_of(unreported, key).name
+    assert spilled > 20  # the bound is what decides, not only the ring

@@ -2,9 +2,11 @@
 load scores kept exact from them. Pure.
 
 A score is the proxy's own legs there now plus others' load, where others' load is what the
-instance announced minus the proxy's own legs there when the board was built (never below 0).
-The oracle recomputes every score from scratch by that formula (from the busy state recorded
-at construction) and compares it with what the min tree kept up to date incrementally.
+instance announced minus the proxy's own legs there when that announcement was first seen
+(never below 0); prefill work instead scales the proxy's own legs by the fleet's share of
+others' requests (fleet_scale). The oracle recomputes every score from scratch by that formula
+(from the busy state recorded when the reports were first seen) and compares it with what the
+min tree kept up to date incrementally.
 """
 
 from __future__ import annotations
@@ -21,7 +23,7 @@ from pdproxy.base.roles import Role
 from pdproxy.ids import Address
 from pdproxy.pairing.candidates import Candidates
 from pdproxy.pairing.features import RequestFeatures
-from pdproxy.pairing.inflight import Busy, InFlight
+from pdproxy.pairing.inflight import REPORT_SMOOTHING, Busy, InFlight, Report, requests_in
 from pdproxy.pairing.planner import Pair, Planner
 from pdproxy.pairing.policies.least_loaded import LeastLoaded
 from pdproxy.pairing.scoreboard import (
@@ -30,6 +32,7 @@ from pdproxy.pairing.scoreboard import (
     Scoring,
     announced_kv,
     announced_requests,
+    fleet_scale,
     own_requests,
     scoring,
 )
@@ -69,7 +72,16 @@ def announced_of(kind: LoadKind, instance: Instance) -> float:
         return 0.0 if load is None else float((load.running or 0) + (load.waiting or 0))
     if kind is LoadKind.KV:
         return 0.0 if load is None or load.kv_usage is None else load.kv_usage
-    return 0.0  # prefill work is counted from the proxy's own legs only
+    return 0.0  # prefill work: the own legs are scaled instead
+
+
+def scale_of(instances: tuple[Instance, ...], seen: list[Busy]) -> float:
+    """1 + others' requests / own requests, from one report per instance."""
+    own = sum(busy.requests for busy in seen)
+    others = sum(
+        max(0, requests_in(i.load) - busy.requests) for i, busy in zip(instances, seen, strict=True)
+    )
+    return 1.0 + others / own if own else 1.0
 
 
 def busy_now(instances: tuple[Instance, ...], inflight: InFlight) -> list[Busy]:
@@ -84,7 +96,11 @@ def busy_now(instances: tuple[Instance, ...], inflight: InFlight) -> list[Busy]:
 def oracle(
     instances: tuple[Instance, ...], inflight: InFlight, kind: LoadKind, built: list[Busy]
 ) -> list[float]:
-    """Every score recomputed from scratch; `built`: the busy state when the board was built."""
+    """Every score recomputed from scratch; `built`: the busy state when the reports were
+    first seen."""
+    if kind is LoadKind.PREFILL_WORK:
+        scale = scale_of(instances, built)
+        return [scale * inflight.get(i.http_address).tokens for i in instances]
     out = []
     for instance, then in zip(instances, built, strict=True):
         others = max(0.0, announced_of(kind, instance) - own_of(kind, then))
@@ -324,18 +340,10 @@ def test_own_parts(
     assert scoring(LoadKind.PREFILL_WORK, CAPACITY).own(busy) == prefill_work
 
 
-@pytest.mark.parametrize(
-    "load",
-    [
-        None,
-        Load(running=7, waiting=9),
-        Load(kv_usage=0.8),
-        Load(running=1, waiting=2, kv_usage=1.0),
-    ],
-)
-def test_prefill_work_never_counts_announced_load(load: Load | None) -> None:
-    assert scoring(LoadKind.PREFILL_WORK, CAPACITY).announced(inst(1, load)) == 0.0
-    assert scoring(LoadKind.PREFILL_WORK, 1).announced(inst(1, load)) == 0.0
+def test_only_prefill_work_is_scaled() -> None:
+    assert scoring(LoadKind.PREFILL_WORK, CAPACITY).scaled
+    assert not scoring(LoadKind.REQUESTS, CAPACITY).scaled
+    assert not scoring(LoadKind.KV, CAPACITY).scaled
 
 
 def test_scoring_returns_a_scoring_per_kind() -> None:
@@ -441,27 +449,58 @@ def test_kv_others_are_the_usage_less_the_tokens_at_build() -> None:
     assert board.best() == 1
 
 
-def test_prefill_work_board_counts_only_the_proxys_prefill_work() -> None:
+def test_prefill_work_board_scales_the_proxys_work_by_the_fleets_share() -> None:
     inflight = InFlight()
-    inflight.add(addr(2), 700)
+    inflight.add(addr(1), 300)
+    inflight.add(addr(2), 100)
     instances = (
-        inst(1, Load(running=50, waiting=50, kv_usage=0.9)),  # busy by its announcement
-        inst(2),
-        inst(3, Load(running=1)),
+        inst(1, Load(running=3)),  # 3 announced, 1 ours: 2 others'
+        inst(2, Load(running=1, waiting=2)),  # 3 announced, 1 ours: 2 others'
+        inst(3, Load(waiting=2)),  # 2 announced, none ours
     )
     board = board_of(instances, inflight, LoadKind.PREFILL_WORK)
+    # 6 others' requests to 2 of ours: the proxy holds a quarter of the fleet's.
+    assert board.scale == 4.0
     assert board.others == [0.0, 0.0, 0.0]
-    assert board.values == [0.0, 700.0, 0.0]
-    assert board.best() == 0  # announced load ignored
-    inflight.add(addr(1), 300)
-    inflight.add(addr(1), 200)
-    inflight.add(addr(3), 499)
-    assert board.values == [500.0, 700.0, 499.0]
-    assert board.best() == 2
-    inflight.add(addr(3), 1)
-    assert board.best() == 0  # tie at 500: the lower position
-    # Tokens, not requests: two legs of 250 weigh as much as one of 500.
-    assert board.total == 1700.0
+    assert board.values == [1200.0, 400.0, 0.0]
+    assert board.best() == 2  # its announced queue is not added per instance
+    inflight.add(addr(3), 50)
+    inflight.add(addr(3), 50)
+    assert board.values == [1200.0, 400.0, 400.0]
+    assert board.best() == 1  # tie at 400: the lower position
+    inflight.remove(addr(1), 300)
+    assert board.values == [0.0, 400.0, 400.0]
+    assert board.total == 800.0
+
+
+def test_prefill_work_board_alone_counts_the_proxys_work_as_it_is() -> None:
+    inflight = InFlight()
+    inflight.add(addr(1), 700)
+    # Announcements that hold exactly the proxy's legs (one proxy, no other client): scale 1.
+    instances = (inst(1, Load(running=1)), inst(2, Load(running=0)), inst(3))
+    board = board_of(instances, inflight, LoadKind.PREFILL_WORK)
+    assert board.scale == 1.0
+    assert board.values == [700.0, 0.0, 0.0]
+    inflight.add(addr(2), 250)
+    inflight.add(addr(2), 250)
+    assert board.values == [700.0, 500.0, 0.0]
+    # Tokens, not requests: two legs of 250 weigh less than one of 700.
+    assert board.total == 1200.0
+
+
+@pytest.mark.parametrize(
+    ("own", "others", "expected"),
+    [
+        ([], [], 1.0),
+        ([0.0, 0.0], [5.0, 1.0], 1.0),  # no leg of its own reported yet: alone, as far as known
+        ([1.0, 1.0], [0.0, 0.0], 1.0),
+        ([1.0, 2.0], [2.0, 4.0], 3.0),
+        ([0.5, 0.0], [0.25, 3.0], 7.5),
+    ],
+)
+def test_fleet_scale(own: list[float], others: list[float], expected: float) -> None:
+    reports = [Report(None, Busy(), oth, mine) for mine, oth in zip(own, others, strict=True)]
+    assert fleet_scale(reports) == pytest.approx(expected)
 
 
 def test_a_custom_scoring_is_applied_with_the_same_formula() -> None:
@@ -594,8 +633,9 @@ class ScoreBoardMachine(RuleBasedStateMachine):
         super().__init__()
         self.inflight = InFlight()
         self.instances: tuple[Instance, ...] = ()
-        # Each generation of boards, with the busy state its boards were built from.
+        # Each generation of boards, with the busy state when their reports were first seen.
         self.generations: list[tuple[list[Busy], dict[LoadKind, ScoreBoard]]] = []
+        self.first_seen: list[Busy] | None = None
         # Legs in flight, as the caller would hold them: (address, tokens).
         self.legs: list[tuple[Address, int]] = []
 
@@ -630,10 +670,13 @@ class ScoreBoardMachine(RuleBasedStateMachine):
 
     @rule()
     def rebuild(self) -> None:
-        """A new snapshot's candidate set: its boards start from what is in flight now."""
+        """A new snapshot's candidate set with the same reports: its boards start from what is
+        in flight now, and read the reports net of the legs there when first seen."""
         if len(self.generations) == 3:
             self.generations.pop(0)  # no longer checked (it still listens: harmless)
-        built = busy_now(self.instances, self.inflight)
+        if self.first_seen is None:
+            self.first_seen = busy_now(self.instances, self.inflight)
+        built = self.first_seen
         candidates = Candidates(self.instances, self.inflight, CAPACITY)
         self.generations.append((built, {kind: candidates.board(kind) for kind in LoadKind}))
 
@@ -723,29 +766,91 @@ def test_long_random_sequences_match_brute_force(n: int, early_legs: int) -> Non
     counts=st.lists(st.integers(0, 6), min_size=1, max_size=20),
     announced=st.lists(st.integers(0, 6), min_size=20, max_size=20),
 )
-def test_board_built_late_reads_announcements_as_including_earlier_legs(
+def test_a_report_first_seen_late_is_read_as_including_earlier_legs(
     counts: list[int], announced: list[int]
 ) -> None:
-    instances = tuple(inst(i, Load(running=announced[i])) for i in range(len(counts)))
+    n = len(counts)
+    instances = tuple(inst(i, Load(running=announced[i])) for i in range(n))
+    # The next reports, with the same counts (waiting now said): new reports all the same.
+    newer = tuple(inst(i, Load(running=announced[i], waiting=0)) for i in range(n))
     inflight = InFlight()
     early = board_of(instances, inflight)
     for i, count in enumerate(counts):
         for _ in range(count):
             inflight.add(addr(i), 1)
-    late = board_of(instances, inflight)
-    # Built before the legs: they come on top of the announcement.
-    assert early.values == [float(c + a) for c, a in zip(counts, announced, strict=False)]
-    # Built after: the announcement is taken to include them.
+    same = board_of(instances, inflight)
+    late = board_of(newer, inflight)
+    # Seen before the legs: they come on top of the announcement, on every board built while
+    # that report is the latest (the legs were placed after it).
+    on_top = [float(c + a) for c, a in zip(counts, announced, strict=False)]
+    assert early.values == on_top
+    assert same.values == on_top
+    # First seen after: the announcement is taken to include them.
     assert late.values == [float(max(c, a)) for c, a in zip(counts, announced, strict=False)]
-    assert early.total == sum(counts) + sum(announced[: len(counts)])
+    assert early.total == sum(counts) + sum(announced[:n])
     assert late.total == sum(max(c, a) for c, a in zip(counts, announced, strict=False))
     for i, count in enumerate(counts):
         for _ in range(count):
             inflight.remove(addr(i), 1)
-    assert early.values == [float(a) for a in announced[: len(counts)]]
+    assert early.values == [float(a) for a in announced[:n]]
     assert late.values == [float(max(0, a - c)) for c, a in zip(counts, announced, strict=False)]
-    for board in (early, late):
-        assert board.best() == min(range(len(counts)), key=lambda i: (board.values[i], i))
+    for board in (early, same, late):
+        assert board.best() == min(range(n), key=lambda i: (board.values[i], i))
+
+
+def test_rebuilt_boards_keep_others_load_until_the_next_report() -> None:
+    # 3 announced, none ours: 3 others'. The proxy places 4 legs, and another instance's
+    # report brings a new snapshot: this instance's report is the same, still 3 others'.
+    inflight = InFlight()
+    reported = inst(1, Load(running=3))
+    first = board_of((reported, inst(2)), inflight)
+    assert first.others == [3.0, 0.0]
+    for _ in range(4):
+        inflight.add(addr(1), 0)
+    rebuilt = board_of((reported, inst(2, Load(running=1))), inflight)
+    assert rebuilt.others == [3.0, 1.0]
+    assert rebuilt.values == [7.0, 1.0]
+    # Its next report holds the 4 legs and 3 others': read net of the legs then.
+    fresh = board_of((inst(1, Load(running=7)), inst(2, Load(running=1))), inflight)
+    assert fresh.others == [3.0, 1.0]
+    assert fresh.values == [7.0, 1.0]
+
+
+# ---------------------------------------------------------------------------------------------
+# InFlight.report
+
+
+def test_a_report_is_taken_once_with_the_legs_when_first_seen() -> None:
+    inflight = InFlight()
+    inflight.add(addr(1), 40)
+    load = Load(running=5)
+    first = inflight.report(addr(1), load)
+    assert first == Report(load, Busy(1, 40), 4.0, 1.0)
+    inflight.add(addr(1), 60)
+    assert inflight.report(addr(1), Load(running=5)) is first  # an equal report: the same
+    inflight.add(addr(1), 1)
+    second = inflight.report(addr(1), Load(running=2))
+    assert second.own == Busy(3, 101)
+    # Averages move by REPORT_SMOOTHING towards the new report's 0 others' and 3 own.
+    assert second.others_requests == pytest.approx(4.0 + REPORT_SMOOTHING * (0.0 - 4.0))
+    assert second.own_requests == pytest.approx(1.0 + REPORT_SMOOTHING * (3.0 - 1.0))
+    # Held apart from the live counters: later legs change nothing in it.
+    inflight.remove(addr(1), 1)
+    assert second.own == Busy(3, 101)
+
+
+def test_reports_are_per_instance_and_forgotten_with_the_instance() -> None:
+    inflight = InFlight()
+    one = inflight.report(addr(1), Load(running=1))
+    two = inflight.report(addr(2), Load(running=1))
+    assert one is not two
+    inflight.keep_reports([addr(2)])
+    assert inflight.report(addr(2), Load(running=1)) is two
+    again = inflight.report(addr(1), Load(running=1))
+    assert again is not one and again == one  # forgotten: taken anew (no average behind it)
+    assert len(inflight._reports) == 2
+    inflight.keep_reports([])
+    assert inflight._reports == {}
 
 
 # ---------------------------------------------------------------------------------------------

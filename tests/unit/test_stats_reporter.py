@@ -21,14 +21,19 @@ HTTP = "10.0.0.2:8200"
 
 
 class Recorder:
-    """A RegistryClient stand-in: keeps the frames it is given, or refuses them."""
+    """A FanOutClient stand-in: keeps the frames it is given, or refuses them."""
 
     def __init__(self, accept: bool = True) -> None:
         self.frames: list[bytes] = []
         self.accept = accept
         self.closed = False
+        self.events: list[str] = []  # "refresh" and "send", in order
+
+    def refresh(self) -> None:
+        self.events.append("refresh")
 
     def send(self, message: dict[str, Any]) -> bool:
+        self.events.append("send")
         if not self.accept:
             return False
         self.frames.append(msgpack.packb(message))
@@ -159,3 +164,25 @@ def test_each_reporter_has_an_identity_of_its_own() -> None:
     # Not the announcer's (the zmq address), and a restarted rank never reuses its last one.
     first, second = stats_identity(HTTP, 3), stats_identity(HTTP, 3)
     assert first.startswith(f"{HTTP}/stats/3/") and first != second
+
+
+def test_the_sender_looks_the_registry_up_first_and_again_every_refresh_s() -> None:
+    client = Recorder()
+    stats = reporter(client, refresh_s=0.05)
+    assert stats.report(entry(1))
+    stats.start()
+    try:
+        deadline = time.monotonic() + 10
+        while client.events.count("refresh") < 4 and time.monotonic() < deadline:
+            time.sleep(0.02)
+    finally:
+        stats.stop()
+    # The name is looked up before anything is sent (a name has no socket before that).
+    assert client.events[:2] == ["refresh", "send"]
+    assert client.events.count("refresh") >= 4
+    assert [t.bytes for m in client.decoded() for t in m.transfers] == [101]
+
+
+def test_refresh_s_must_be_positive() -> None:
+    with pytest.raises(ValueError, match="refresh_s"):
+        reporter(Recorder(), refresh_s=0)

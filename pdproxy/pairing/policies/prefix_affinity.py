@@ -3,15 +3,18 @@ whose prefix cache then skips that part of the prefill.
 
 The prompt's leading block(s) hash onto a consistent-hash ring of the candidates, so adding or
 removing one of N instances moves only about 1/N of the prefixes. Bounded load (Mirrokni,
-Thorup and Zadimoghaddam, "Consistent Hashing with Bounded Loads", 2018), on prefill work (the
-prompt tokens of the proxy's legs in flight, less what each instance probably holds cached:
-see prefix_cache.py) rather than on request counts: an instance that
-would hold more than `load_factor` times the mean is passed over for the next one on the ring,
-so a hot prefix spills to a few neighbours instead of swamping one instance.
+Thorup and Zadimoghaddam, "Consistent Hashing with Bounded Loads", 2018), on prefill work
+rather than on request counts: an instance that would hold more than `load_factor` times the
+mean is passed over for the next one on the ring, so a hot prefix spills to a few neighbours
+instead of swamping one instance.
 
-Announced load is not used here: it counts requests, not work, and lags by a report period
-(adding it made tails worse: docs/performance.md, "Pairing decisions"). Every proxy replica
-balancing its own share balances their sum: the ring is the same in every replica.
+Prefill work is the prompt tokens of the proxy's own legs in flight, less what each instance
+probably holds cached (see prefix_cache.py), scaled up by the share of the fleet's requests the
+other proxy replicas and clients hold, as the instances announce it (scoreboard.py,
+LoadKind.PREFILL_WORK): a replica that holds a third of the legs bounds the fleet's load, not a
+third of it. The announced queues themselves are not added per instance: they are up to 1.5 s
+old, prefills turn over in tens of milliseconds, and every replica reading the same stale
+queues made the same choices at once (docs/performance.md, "Several replicas").
 """
 
 from __future__ import annotations
@@ -79,10 +82,11 @@ class PrefixAffinity:
         if request.prefix_key is None or len(candidates) == 1:
             return candidates.instances[least]
         ring = candidates.derived(self.name, self._ring_for)
-        # Load is prefill work in flight. An instance may take the request if it then holds at
-        # most load_factor x the mean, or no more than the least loaded one would (so an evenly
-        # loaded fleet always honours the prefix, whatever the prompt's size). Its work for
-        # this request is the part of the prompt it probably does not hold already.
+        # Load is prefill work in flight (the fleet's: scaled). An instance may take the request
+        # if it then holds at most load_factor x the mean, or no more than the least loaded one
+        # would (so an evenly loaded fleet always honours the prefix, whatever the prompt's
+        # size). Its work for this request is the part of the prompt it probably does not hold
+        # already.
         full = max(1, request.prompt_tokens)
         values = board.values
         cap = max(self._load_factor * (board.total + full) / len(candidates), values[least] + full)
