@@ -7,7 +7,6 @@ kind with a new transfer id; a bootstrap server that does not answer."""
 from __future__ import annotations
 
 import asyncio
-from collections import Counter
 from typing import Any
 
 import pytest
@@ -97,27 +96,7 @@ def test_both_legs_carry_the_attempts_transfer_id_and_the_prefills_engine(
     assert d_time < held
 
 
-def test_a_mixed_fleet_pairs_only_instances_of_one_kind(fleet_factory: FleetFactory) -> None:
-    kinds = ("nixl", "pdproxy", "mooncake")
-    workers = [spec(role, kind) for kind in kinds for role in ("P", "D")]
-    fleet = fleet_factory(workers, ROUND_ROBIN)
-    path, body = completion()
-    for _ in range(9):
-        answer = post_json(fleet.proxy_url + path, body)
-        assert answer.status == 200, answer.body
-    kind_of = {w.http_address: w.spec.extra_args[1] for w in fleet.workers}
-    prefill_of_id: dict[str, str] = {}
-    for worker in fleet.role("P"):
-        for leg in legs(worker):
-            prefill_of_id[leg["id"]] = worker.http_address
-    served: Counter[str] = Counter()
-    for worker in fleet.role("D"):
-        for leg in legs(worker):
-            # Never a cross-kind pair: the prefill that got this request is of the decode's kind.
-            assert kind_of[prefill_of_id[leg["id"]]] == kind_of[worker.http_address]
-            served[kind_of[worker.http_address]] += 1
-    assert set(served) == set(kinds), served
-    assert metric_value(fleet.proxy_url, "pdproxy_upstream_errors_total") == 0
+# A fleet mixing mooncake with the other kinds: tests/integration/test_nixl_push_flow.py.
 
 
 @pytest.mark.parametrize("kind", ["mooncake", "nixl", "pdproxy"])

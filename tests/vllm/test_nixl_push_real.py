@@ -27,8 +27,8 @@ from typing import Final
 import pytest
 
 from pdproxy.demo.fleet import LocalFleet
-from pdproxy.demo.processes import ManagedProcess, free_ports, pdproxy_command, wait_until
-from tests.harness.vllm_cpu import MODEL_NAME, VllmServer, running_servers
+from pdproxy.demo.processes import ManagedProcess, free_ports, wait_until
+from tests.harness.vllm_cpu import VllmServer
 from tests.harness.vllm_env import VllmEnv
 from tests.vllm.test_kv_transfer_real import PROMPTS
 from tests.vllm.test_nixl_real import (
@@ -36,7 +36,6 @@ from tests.vllm.test_nixl_real import (
     EXTERNAL,
     FAILED,
     GEOMETRY,
-    SIDECAR_GEOMETRY_FLAGS,
     TRANSFERS,
     Answer,
     assert_same,
@@ -44,7 +43,9 @@ from tests.vllm.test_nixl_real import (
     complete,
     proxy_pairs,
     sample_sum,
+    sidecar,
     spec_value,
+    start_both_setups,
 )
 
 pytestmark = pytest.mark.vllm
@@ -70,21 +71,12 @@ def static_spec(server: VllmServer, prefill: bool) -> str:
     return spec + (f",engine_id={ENGINE_ID},side_channel={server.zmq_address}" if prefill else "")
 
 
-def sidecar(server: VllmServer, role: str, registry: str, model: Path, log: Path) -> ManagedProcess:
-    coordinates = ["--engine-id", ENGINE_ID, "--side-channel", server.zmq_address]
-    return ManagedProcess(
-        f"announce-{server.name}",
-        pdproxy_command(
-            "announce",
-            *("--role", role, "--http-address", server.http_address),
-            *("--zmq-address", server.zmq_address, "--registry", registry),
-            *("--model", MODEL_NAME, "--connector", "nixl_push"),
-            *("--model-config", str(model / "config.json"), *SIDECAR_GEOMETRY_FLAGS),
-            *(coordinates if role == "P" else []),
-            *("--interval", "0.5"),
-        ),
-        log,
-    )
+def push_sidecar(
+    server: VllmServer, role: str, registry: str, model: Path, log: Path
+) -> ManagedProcess:
+    coordinates = ("--engine-id", ENGINE_ID, "--side-channel", server.zmq_address)
+    extra = coordinates if role == "P" else ()
+    return sidecar(server, role, registry, model, log, connector="nixl_push", extra=extra)
 
 
 @pytest.fixture(scope="module")
@@ -104,29 +96,12 @@ def push_fleet(
         engine_id=ENGINE_ID,
     )
     decode = VllmServer("push-D", "kv_consumer", d_http, d_side, work, cpu="1", kv_connector=PUSH)
+    specs = ["--prefill", static_spec(prefill, True), "--decode", static_spec(decode, False)]
     with ExitStack() as stack:
-        specs = ["--prefill", static_spec(prefill, True), "--decode", static_spec(decode, False)]
-        static = LocalFleet(work / "static", [], ["--ttl", "10", *specs])
-        stack.callback(static.stop)
-        static.start()
-        announced = LocalFleet(work / "announced", [], ["--ttl", "10"])
-        stack.callback(announced.stop)
-        announced.start()
-        started = time.monotonic()
-        stack.enter_context(running_servers(vllm_env, vllm_model, [prefill, decode]))
-        print(f"\nreal vLLM NIXL push P and D serving after {time.monotonic() - started:.1f} s")
-        for server, role in ((prefill, "P"), (decode, "D")):
-            process = sidecar(
-                server, role, announced.registry_address, vllm_model, work / f"{server.name}.ann"
-            )
-            stack.callback(process.stop)
-            process.start()
-        wait_until(
-            lambda: {prefill.http_address, decode.http_address} <= announced.registered(),
-            REGISTRATION_TIMEOUT_S,
-            "the sidecars' announcements",
+        proxies = start_both_setups(
+            stack, work, vllm_env, vllm_model, (prefill, decode), specs, push_sidecar
         )
-        yield PushFleet(prefill, decode, {"static": static, "announced": announced})
+        yield PushFleet(prefill, decode, proxies)
 
 
 @dataclass(frozen=True)

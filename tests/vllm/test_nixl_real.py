@@ -20,7 +20,7 @@ import time
 import urllib.error
 import urllib.request
 import uuid
-from collections.abc import Callable, Iterator
+from collections.abc import Callable, Iterator, Sequence
 from concurrent.futures import ThreadPoolExecutor
 from contextlib import ExitStack
 from dataclasses import dataclass
@@ -43,21 +43,12 @@ from tests.harness.vllm_cpu import MODEL_NAME, VllmServer, running_servers
 from tests.harness.vllm_env import VllmEnv
 from tests.integration.support import LoopbackServer, metric_value
 from tests.vllm.test_kv_transfer_real import PROMPTS, TOKENS
+from tests.vllm.test_registry_real import REAL_GEOMETRY
 
 pytestmark = pytest.mark.vllm
 
-# The tiny model's KV cache as vLLM builds it on CPU (tests.vllm.test_registry_real); NIXL
-# asks for a head-major layout.
-GEOMETRY = {
-    "tp_size": 1,
-    "block_size": 128,
-    "num_layers": 2,
-    "num_kv_heads": 2,
-    "head_dim": 32,
-    "kv_dtype": "float32",
-    "is_mla": False,
-    "kv_layout": "HND",
-}
+# The tiny model's KV cache as vLLM builds it on CPU; NIXL asks for a head-major layout.
+GEOMETRY = REAL_GEOMETRY
 SIDECAR_GEOMETRY_FLAGS = ("--tp-size", "1", "--block-size", "128", "--kv-layout", "HND")
 BLOCK = 128
 REGISTRATION_TIMEOUT_S = 30.0
@@ -93,29 +84,27 @@ def static_spec(server: VllmServer) -> str:
     return f"http={server.http_address},zmq={server.zmq_address},connector=nixl,{geometry}"
 
 
-def sidecar(server: VllmServer, role: str, registry: str, model: Path, log: Path) -> ManagedProcess:
+def sidecar(
+    server: VllmServer,
+    role: str,
+    registry: str,
+    model: Path,
+    log: Path,
+    connector: str = "nixl",
+    extra: Sequence[str] = (),
+) -> ManagedProcess:
+    """`pdproxy announce` beside a stock vLLM server; NIXL's side channel stands for the KV
+    endpoint (the request id names it)."""
     return ManagedProcess(
         f"announce-{server.name}",
         pdproxy_command(
             "announce",
-            "--role",
-            role,
-            "--http-address",
-            server.http_address,
-            # NIXL's side channel stands for the KV endpoint: the request id names it.
-            "--zmq-address",
-            server.zmq_address,
-            "--registry",
-            registry,
-            "--model",
-            MODEL_NAME,
-            "--connector",
-            "nixl",
-            "--model-config",
-            str(model / "config.json"),
-            *SIDECAR_GEOMETRY_FLAGS,
-            "--interval",
-            "0.5",
+            *("--role", role, "--http-address", server.http_address),
+            *("--zmq-address", server.zmq_address, "--registry", registry),
+            *("--model", MODEL_NAME, "--connector", connector),
+            *("--model-config", str(model / "config.json"), *SIDECAR_GEOMETRY_FLAGS),
+            *extra,
+            *("--interval", "0.5"),
         ),
         log,
     )
@@ -133,31 +122,49 @@ def nixl_fleet(
     decode = VllmServer(
         "nixl-D", "kv_consumer", d_http, d_side, work, cpu="1", kv_connector="NixlConnector"
     )
+    static_args = ["--prefill", static_spec(prefill), "--decode", static_spec(decode)]
     with ExitStack() as stack:
-        announced = LocalFleet(work / "announced", [], ["--ttl", "10"])
-        stack.callback(announced.stop)
-        announced.start()
-        static_args = ["--prefill", static_spec(prefill), "--decode", static_spec(decode)]
-        static = LocalFleet(work / "static", [], ["--ttl", "10", *static_args])
-        stack.callback(static.stop)
-        static.start()
-        started = time.monotonic()
-        stack.enter_context(running_servers(vllm_env, vllm_model, [prefill, decode]))
-        print(f"\nreal vLLM NIXL P and D serving after {time.monotonic() - started:.1f} s")
-        for server, role in ((prefill, "P"), (decode, "D")):
-            process = sidecar(
-                server, role, announced.registry_address, vllm_model, work / f"{server.name}.ann"
-            )
-            stack.callback(process.stop)
-            process.start()
-        wait_until(
-            lambda: {prefill.http_address, decode.http_address} <= announced.registered(),
-            REGISTRATION_TIMEOUT_S,
-            "the sidecars' announcements",
+        proxies = start_both_setups(
+            stack, work, vllm_env, vllm_model, (prefill, decode), static_args, sidecar
         )
-        yield NixlFleet(
-            prefill, decode, {"announced": announced, "static": static}, vllm_env, vllm_model, work
+        yield NixlFleet(prefill, decode, proxies, vllm_env, vllm_model, work)
+
+
+def start_both_setups(
+    stack: ExitStack,
+    work: Path,
+    vllm_env: VllmEnv,
+    vllm_model: Path,
+    pair: tuple[VllmServer, VllmServer],
+    static_args: list[str],
+    announce: Callable[[VllmServer, str, str, Path, Path], ManagedProcess],
+) -> dict[str, LocalFleet]:
+    """A proxy that learns the pair from `announce` sidecars and one it is declared to, both
+    stopped by `stack`; the real vLLM pair started under them."""
+    announced = LocalFleet(work / "announced", [], ["--ttl", "10"])
+    stack.callback(announced.stop)
+    announced.start()
+    static = LocalFleet(work / "static", [], ["--ttl", "10", *static_args])
+    stack.callback(static.stop)
+    static.start()
+    started = time.monotonic()
+    stack.enter_context(running_servers(vllm_env, vllm_model, list(pair)))
+    print(
+        f"\nreal vLLM {pair[0].name} and {pair[1].name} serving after "
+        f"{time.monotonic() - started:.1f} s"
+    )
+    for server, role in zip(pair, ("P", "D"), strict=True):
+        process = announce(
+            server, role, announced.registry_address, vllm_model, work / f"{server.name}.ann"
         )
+        stack.callback(process.stop)
+        process.start()
+    wait_until(
+        lambda: {server.http_address for server in pair} <= announced.registered(),
+        REGISTRATION_TIMEOUT_S,
+        "the sidecars' announcements",
+    )
+    return {"announced": announced, "static": static}
 
 
 def client(url: str) -> openai.OpenAI:
