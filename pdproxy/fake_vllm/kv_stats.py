@@ -43,6 +43,7 @@ OUTCOMES: dict[str, TransferOutcome] = {
     "engine_id_mismatch": "error",
     "missing_transfer": "missing",
     "block_ids_mismatch": "error",
+    "register_error": "error",
 }
 
 

@@ -44,7 +44,7 @@ addresses = st.builds(
 full_coordinates = st.builds(
     KvCoordinates,
     bootstrap=addresses,
-    engine_id=st.text(st.characters(codec="ascii", min_codepoint=33), min_size=1, max_size=128),
+    engine_id=st.text(st.characters(min_codepoint=33, max_codepoint=126), min_size=1, max_size=128),
     side_channel=addresses,
 )
 # Any coordinates, or none: a prefill that must announce them always does.
