@@ -8,7 +8,7 @@ from __future__ import annotations
 
 import re
 import time
-from collections.abc import Iterator, Sequence
+from collections.abc import Generator, Iterator, Sequence
 from contextlib import contextmanager
 from dataclasses import dataclass
 from pathlib import Path
@@ -199,3 +199,44 @@ def pair_stack(
             yield PairStack(proxy, p_server, d_server)
     finally:
         proxy.stop()
+
+
+LOG_TAIL_LINES = 30
+LOG_FILES_SHOWN = 12
+
+
+@pytest.hookimpl(wrapper=True)
+def pytest_runtest_makereport(
+    item: pytest.Item, call: pytest.CallInfo[None]
+) -> Generator[None, pytest.TestReport, pytest.TestReport]:
+    """A failed real-vLLM test shows the tails of the logs its processes wrote meanwhile (the
+    proxies', vLLM's, the sidecars'): CI keeps nothing else of a run that failed."""
+    report = yield
+    if report.failed and call.when == "call":
+        factory = getattr(item.config, "_tmp_path_factory", None)
+        if isinstance(factory, pytest.TempPathFactory):
+            for path in logs_written_since(factory.getbasetemp(), call.start):
+                report.sections.append((f"log {path.name} (last lines)", log_tail(path)))
+    return report
+
+
+def logs_written_since(root: Path, since: float) -> list[Path]:
+    """The `*.log` files below `root` written to at or after `since`, newest first (bounded)."""
+    found = []
+    for path in root.rglob("*.log"):
+        try:
+            written = path.stat().st_mtime
+        except OSError:
+            continue
+        if written >= since:
+            found.append((written, path))
+    found.sort(reverse=True)
+    return [path for _, path in found[:LOG_FILES_SHOWN]]
+
+
+def log_tail(path: Path) -> str:
+    try:
+        lines = path.read_text(encoding="utf-8", errors="replace").splitlines()
+    except OSError as exc:
+        return f"unreadable: {exc}"
+    return "\n".join(lines[-LOG_TAIL_LINES:])
