@@ -27,6 +27,7 @@ from pydantic import (
     model_validator,
 )
 
+from pdproxy.base.roles import WIRE_LETTERS, Role
 from pdproxy.ids import Address, AddressError, parse_address
 from pdproxy.pairing.policies import DecodePolicyName, PrefillPolicyName
 from pdproxy.registry.auth import MIN_SECRET_BYTES, AuthConfigError, parse_cidrs
@@ -475,6 +476,18 @@ class Settings(BaseModel):
         description="On SIGTERM: /ready turns 503 and new requests are refused at once; "
         "requests in flight get this long to finish before the process exits.",
     )
+    passthrough_role: list[str] = Field(
+        default_factory=list,
+        description="Which role serves a passed-through path (vLLM's endpoints other than "
+        "completions and chat, e.g. /tokenize, /v1/embeddings), as PATH=ROLE (e.g. "
+        "/tokenize=prefill; repeatable, or comma-separated); paths not named go to a decode "
+        "instance.",
+    )
+    passthrough_unknown_paths: bool = Field(
+        False,
+        description="Pass paths pdproxy does not know through to an instance (decode, unless "
+        "passthrough_role names the path) instead of answering 404.",
+    )
     api_key: list[SecretStr] = Field(
         default_factory=list,
         description="Client API key (repeatable; env: several separated by ';'); when any is "
@@ -525,6 +538,7 @@ class Settings(BaseModel):
         "registry_address_cidrs",
         "open_paths",
         "concurrent_decode_connectors",
+        "passthrough_role",
         mode="before",
     )
     @classmethod
@@ -639,6 +653,30 @@ class Settings(BaseModel):
                 raise ValueError(f"open path {path!r} must start with /")
         return value
 
+    @field_validator("passthrough_role")
+    @classmethod
+    def _passthrough_roles_valid(cls, value: list[str]) -> list[str]:
+        passthrough_roles(value)  # raises ValueError, with the item at fault
+        return value
+
+
+def passthrough_roles(items: list[str]) -> dict[str, Role]:
+    """`PATH=ROLE` items (ROLE: prefill or decode, or P or D) as a table; a later item for the
+    same path wins, as a later flag does."""
+    roles: dict[str, Role] = {}
+    for item in items:
+        path, sep, name = item.partition("=")
+        path, name = path.strip(), name.strip()
+        if not sep or not path.startswith("/") or any(c.isspace() for c in path):
+            raise ValueError(f"{item[:100]!r} is not PATH=ROLE with an absolute PATH")
+        try:
+            roles[path] = Role.from_wire(name) if name in WIRE_LETTERS else Role(name)
+        except ValueError:
+            raise ValueError(
+                f"{item[:100]!r}: the role is prefill or decode, not {name[:16]!r}"
+            ) from None
+    return roles
+
 
 class ConfigError(ValueError):
     """Settings could not be built; the message says which source and why."""
@@ -654,6 +692,7 @@ _LIST_METAVARS = {
     "registry_address_cidrs": "CIDR",
     "api_key": "KEY",
     "open_paths": "PATH",
+    "passthrough_role": "PATH=ROLE",
 }
 _LIST_FIELDS = (
     "prefill",
@@ -663,6 +702,7 @@ _LIST_FIELDS = (
     "api_key",
     "open_paths",
     "concurrent_decode_connectors",
+    "passthrough_role",
 )
 
 

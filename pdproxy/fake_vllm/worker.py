@@ -1,4 +1,5 @@
-"""One fake worker's state and its vLLM endpoints: completions, chat, models, health."""
+"""One fake worker's state and its vLLM endpoints: completions, chat, models, health, and an
+echo for every other path (fake_vllm/passthrough.py)."""
 
 from __future__ import annotations
 
@@ -27,6 +28,7 @@ from pdproxy.fake_vllm.kv_stats import KvStats
 from pdproxy.fake_vllm.kv_store import KvStore
 from pdproxy.fake_vllm.kv_transport import KvSender
 from pdproxy.fake_vllm.load import LoadTracker, Share
+from pdproxy.fake_vllm.passthrough import Echo
 from pdproxy.fake_vllm.records import RecordedRequest, Records
 from pdproxy.fake_vllm.responses import Envelope, full_response
 from pdproxy.fake_vllm.streaming import SSE_DONE, chunks, sse
@@ -71,6 +73,8 @@ class FakeWorker:
         if self.cfg.connector == "mooncake" and self.cfg.role is Role.PREFILL:
             app.router.add_get("/query", self.bootstrap_query)  # its bootstrap server
         self.control.add_routes(app.router)
+        # Last: every path nothing above serves (vLLM's other endpoints, unknown paths).
+        app.router.add_route("*", "/{tail:.*}", Echo(self.cfg, self.control))
         return app
 
     async def completions(self, request: web.Request) -> web.StreamResponse:

@@ -15,6 +15,7 @@ from collections.abc import Iterable, Sequence
 from dataclasses import dataclass
 from enum import StrEnum
 
+from pdproxy.base.roles import Role
 from pdproxy.ids import Address
 from pdproxy.pairing.candidates import Candidates
 from pdproxy.pairing.features import RequestFeatures
@@ -165,6 +166,7 @@ class FleetIndex:
         }
         self._verdicts: dict[tuple[ClassKey, ClassKey], Verdict] = {}
         self._views: dict[str | None, FleetView] = {}
+        self._members: dict[tuple[Role, str | None, bool], Candidates | None] = {}
 
     def verdict(self, p_key: ClassKey, d_key: ClassKey) -> Verdict:
         verdict = self._verdicts.get((p_key, d_key))
@@ -186,6 +188,25 @@ class FleetIndex:
             view = self._build(model)
             self._views[memo_key] = view
         return view
+
+    def members(self, role: Role, model: str | None) -> Candidates | None:
+        """The instances of `role` that serve `model` (any model: None), paired or not: what
+        a request that needs one instance alone (a passed-through path) chooses from."""
+        # Memoised like views: every unannounced model name shares one entry.
+        announced = model is None or model in self._models
+        key = (role, model if announced else None, announced)
+        if key in self._members:
+            return self._members[key]
+        classes = self.prefill_classes if role is Role.PREFILL else self.decode_classes
+        found = tuple(
+            i
+            for members in classes.values()
+            if model is None or members[0].serves(model)
+            for i in members
+        )
+        chosen = self.candidates(found) if found else None
+        self._members[key] = chosen
+        return chosen
 
     def candidates(self, instances: tuple[Instance, ...]) -> Candidates:
         return Candidates(
@@ -424,6 +445,42 @@ class Planner:
         self._decode_ticket += 1
         self._add(decode.http_address, request.decode_tokens)
         return Direct(decode, request.decode_tokens)
+
+    def plan_one(
+        self,
+        snapshot: Snapshot,
+        role: Role,
+        model: str | None,
+        *,
+        excluded: frozenset[str] = frozenset(),
+        avoid: frozenset[str] = frozenset(),
+        busy: frozenset[str] = frozenset(),
+    ) -> Instance | None:
+        """One instance of `role` for `model` (any model: None), chosen by that role's policy
+        and counted in flight; None when none is left once `excluded` and `busy` are. `avoid`
+        is soft, as for `plan`."""
+        candidates = self.index(snapshot, excluded).members(role, model)
+        if busy and candidates is not None:
+            candidates = self._one_off_members(snapshot, excluded | busy, role, model)
+        if candidates is None:
+            return None
+        if avoid:
+            narrowed = self._one_off_members(snapshot, excluded | busy | avoid, role, model)
+            candidates = candidates if narrowed is None else narrowed
+        features = RequestFeatures(model or "")
+        if role is Role.PREFILL:
+            chosen = self.prefill_policy.choose(candidates, features, self._prefill_ticket)
+            self._prefill_ticket += 1
+        else:
+            chosen = self.decode_policy.choose(candidates, features, self._decode_ticket)
+            self._decode_ticket += 1
+        self._add(chosen.http_address, 0)
+        return chosen
+
+    def _one_off_members(
+        self, snapshot: Snapshot, left_out: frozenset[str], role: Role, model: str | None
+    ) -> Candidates | None:
+        return self._build_index(without(snapshot, left_out), live=False).members(role, model)
 
     def release(self, address: Address, tokens: int) -> None:
         self.inflight.remove(address, tokens)

@@ -1,7 +1,8 @@
 """The ASGI application: built once from Settings; its lifespan builds all state.
 
-The two completion endpoints are served by a lean ASGI endpoint (the hot path); everything else
-(health, readiness, metrics, models, instances, 404s) goes through FastAPI.
+The two completion endpoints are served by a lean ASGI endpoint (the hot path), vLLM's other
+endpoints by pass-through ones (proxy/passthrough.py); everything else (health, readiness,
+metrics, models, instances, 404s) goes through FastAPI.
 """
 
 from __future__ import annotations
@@ -15,11 +16,13 @@ from typing import Any
 
 from fastapi import FastAPI
 
+from pdproxy.base.roles import Role
 from pdproxy.config import Settings
 from pdproxy.proxy.completions import CompletionsEndpoint
 from pdproxy.proxy.credentials import Credentials
 from pdproxy.proxy.exchange import Scope
 from pdproxy.proxy.front import COMPLETION_PATHS, FrontDoor
+from pdproxy.proxy.passthrough import UNKNOWN_LABEL, PassThroughEndpoint, route_table
 from pdproxy.proxy.routes import install_routes
 from pdproxy.proxy.state import AppState, build_state
 from pdproxy.registry.control import OwnRegistry, RegistrySide
@@ -69,6 +72,12 @@ class PdproxyApp:
             )
             for path in COMPLETION_PATHS
         }
+        self.front_door.passthrough = {
+            path: self._passthrough(state, path, role)
+            for path, role in route_table(self.settings).items()
+        }
+        if self.settings.passthrough_unknown_paths:
+            self.front_door.unknown = self._passthrough(state, UNKNOWN_LABEL, None)
         # Everything built so far lives as long as the process: out of the collector's sight,
         # so the full collections that requests' garbage triggers do not walk it each time;
         # and collections less often (the hot path makes few reference cycles).
@@ -88,6 +97,8 @@ class PdproxyApp:
             yield
         finally:
             self.front_door.hot = {}
+            self.front_door.passthrough = {}
+            self.front_door.unknown = None
             self.front_door.metrics = None
             await state.prober.stop()
             await state.registry_link.stop()
@@ -95,6 +106,19 @@ class PdproxyApp:
             state.tracing.shutdown()
             state.alarms.close()
             self._state = None
+
+    def _passthrough(self, state: AppState, label: str, role: Role | None) -> PassThroughEndpoint:
+        return PassThroughEndpoint(
+            label,
+            role,
+            self.settings,
+            state.dispatcher,
+            state.rotation,
+            state.upstream,
+            state.admission,
+            state.metrics,
+            state.alarms,
+        )
 
     def begin_shutdown(self) -> None:
         """SIGTERM: /ready answers 503 and new requests are refused from now on."""

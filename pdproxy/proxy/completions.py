@@ -58,7 +58,7 @@ class CompletionsEndpoint:
 
     async def __call__(self, scope: Scope, receive: Any, send: Any) -> None:
         started = time.perf_counter()
-        client = _read_headers(scope["headers"])
+        client = read_client_headers(scope["headers"])
         client_id = client.request_id
         task = asyncio.current_task(self._loop)
         assert task is not None
@@ -188,7 +188,7 @@ def _ms(seconds: float | None) -> float | None:
 _STATUS_TEXT = {code: str(code) for code in (200, 400, 401, 404, 408, 413, 429, 499, 502, 503, 504)}
 
 
-def _read_headers(raw: list[tuple[bytes, bytes]]) -> ClientHeaders:
+def read_client_headers(raw: list[tuple[bytes, bytes]]) -> ClientHeaders:
     client_id = authorization = traceparent = tracestate = None
     length = None
     for name, value in raw:

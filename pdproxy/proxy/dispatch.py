@@ -106,6 +106,10 @@ class Dispatcher:
     def features(self, request: CompletionRequest) -> RequestFeatures:
         return request_features(request.payload, request.model, request.chat, self._prefix_tokens)
 
+    def new_request_id(self) -> str:
+        """A fresh id for a request served by one instance alone (no pair to tag)."""
+        return self._new_uid()
+
     def leg_headers(self, request_id: str, authorization: str | None) -> dict[str, str]:
         headers = {"Content-Type": "application/json", "X-Request-Id": request_id}
         auth = self._upstream_auth or (authorization if self._forward_client_auth else None)

@@ -205,6 +205,19 @@ class Exchange:
             }
         )
 
+    async def start_body(self, status: int, content_type: bytes) -> None:
+        """Start an answer whose body follows in pieces and is not an event stream: a
+        failure after this can only cut it short (`fail` adds nothing to it)."""
+        self.status = status
+        self.started = True
+        await self._send(
+            {
+                "type": "http.response.start",
+                "status": status,
+                "headers": self._headers(content_type, ()),
+            }
+        )
+
     async def chunk(self, data: bytes) -> None:
         if data.endswith(SSE_DONE):
             # The client holds a whole stream now and may hang up before the upstream's EOF

@@ -1,5 +1,7 @@
 """The front door: the ASGI callable the HTTP server runs: the API key check, then the completion
-endpoints straight, everything else through FastAPI (and counted).
+endpoints straight, then the passed-through paths (vLLM's other endpoints, looked up only when
+the path is no completion path: completions pay nothing for them), everything else through
+FastAPI (and counted).
 
 Apart from `PdproxyApp` (proxy/app.py, which builds it and runs the lifespan) so that the
 compiled build compiles it: the server's task awaits this for every request, and each time the
@@ -16,6 +18,7 @@ from pdproxy.proxy.completions import CompletionsEndpoint
 from pdproxy.proxy.credentials import Credentials
 from pdproxy.proxy.errors import error_body
 from pdproxy.proxy.exchange import Scope
+from pdproxy.proxy.passthrough import PassThroughEndpoint, is_own_path
 
 COMPLETION_PATHS = ("/v1/completions", "/v1/chat/completions")
 COUNTED_PATHS = frozenset(
@@ -34,12 +37,16 @@ Asgi = Callable[[Scope, Any, Any], Awaitable[None]]
 
 
 class FrontDoor:
-    """`hot` and `metrics` are set for the lifespan (PdproxyApp's), empty and None outside."""
+    """`hot`, `passthrough`, `unknown` and `metrics` are set for the lifespan (PdproxyApp's),
+    empty and None outside. `unknown`: the endpoint for paths nobody knows, when they are
+    passed through (passthrough_unknown_paths)."""
 
     def __init__(self, api: Asgi, credentials: Credentials) -> None:
         self._api = api
         self._credentials = credentials
         self.hot: dict[str, CompletionsEndpoint] = {}
+        self.passthrough: dict[str, PassThroughEndpoint] = {}
+        self.unknown: PassThroughEndpoint | None = None
         self.metrics: Metrics | None = None
 
     async def __call__(self, scope: Scope, receive: Any, send: Any) -> None:
@@ -71,6 +78,12 @@ class FrontDoor:
         endpoint = self.hot.get(path)
         if endpoint is not None:
             await endpoint(scope, receive, send)
+            return
+        passed = self.passthrough.get(path)
+        if passed is None and self.unknown is not None and not is_own_path(path):
+            passed = self.unknown
+        if passed is not None:
+            await passed(scope, receive, send)
             return
         await self._counted(scope, receive, send)
 
@@ -110,8 +123,8 @@ class FrontDoor:
         if self.metrics is not None:
             self.metrics.refused.labels(reason).inc()
             path = scope["path"]
-            counted = path if path in COMPLETION_PATHS or path in COUNTED_PATHS else "other"
-            self.metrics.count_request(counted, str(status))
+            known = path in COMPLETION_PATHS or path in COUNTED_PATHS or path in self.passthrough
+            self.metrics.count_request(path if known else "other", str(status))
 
 
 class _StatusRecorder:

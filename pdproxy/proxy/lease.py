@@ -160,3 +160,9 @@ def lease_direct(
     return PairLease(
         None, LegLease(rotation, Role.DECODE, direct.decode, direct.decode_tokens), None
     )
+
+
+def lease_one(rotation: Rotation, role: Role, instance: Instance) -> LegLease:
+    """The leg of a request served by one instance alone (`rotation.choose_one`'s choice);
+    `with` it, and `release()` it once done."""
+    return LegLease(rotation, role, instance, 0)

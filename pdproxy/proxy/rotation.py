@@ -20,7 +20,7 @@ from pdproxy.config import Settings
 from pdproxy.ids import Address
 from pdproxy.metrics import Metrics
 from pdproxy.pairing.features import RequestFeatures
-from pdproxy.pairing.planner import Direct, NoPair, Pair, Planner
+from pdproxy.pairing.planner import Direct, NoPair, Pair, Planner, Unpaired
 from pdproxy.proxy.admission import Admission
 from pdproxy.proxy.errors import ProxyError
 from pdproxy.registry.table import Instance, RegistryTable, Snapshot
@@ -102,6 +102,37 @@ class Rotation:
         blocked = self._planner.index(snapshot, excluded).view(features.model)
         if not busy or blocked.prefills is None:
             raise self._unpaired(choice, excluded)
+        return None
+
+    async def choose_one(self, role: Role, model: str | None, avoid: frozenset[str]) -> Instance:
+        """One instance of `role` serving `model` (None: any) for a request that needs no
+        pair (a passed-through path), waiting (bounded) as `choose` does while every one of
+        them is at its cap."""
+        instance = self._plan_one(role, model, avoid)
+        if instance is not None:
+            return instance
+        with self._admission.queued():
+            wait_until = asyncio.get_running_loop().time() + self._settings.queue_timeout
+            while True:
+                await self._wait_for_capacity(wait_until)
+                instance = self._plan_one(role, model, avoid)
+                if instance is not None:
+                    return instance
+
+    def _plan_one(self, role: Role, model: str | None, avoid: frozenset[str]) -> Instance | None:
+        now = self._clock()
+        snapshot = self.snapshot(now)
+        excluded = self.out_of_rotation(now)
+        busy = self._planner.full
+        chosen = self._planner.plan_one(
+            snapshot, role, model, excluded=excluded, avoid=avoid, busy=busy
+        )
+        if chosen is not None:
+            return chosen
+        if not busy or self._planner.index(snapshot, excluded).members(role, model) is None:
+            kind = Unpaired.NO_PREFILL if role is Role.PREFILL else Unpaired.NO_DECODE
+            served = "any model" if model is None else f"model {model!r}"
+            raise self._unpaired(NoPair(kind, f"no {role} instance serves {served}"), excluded)
         return None
 
     def choose_direct(self, features: RequestFeatures, avoid: frozenset[str]) -> Direct | None:
