@@ -18,6 +18,7 @@ from pdproxy.demo.fleet import WorkerSpec
 from pdproxy.demo.processes import wait_until
 from pdproxy.metrics import Metrics
 from pdproxy.proxy.front import COMPLETION_PATHS, COUNTED_PATHS
+from pdproxy.proxy.passthrough import PASSTHROUGH_PATHS, UNKNOWN_LABEL
 from pdproxy.reliability.outlier import Circuit
 from tests.conftest import FleetFactory
 from tests.deploy.support import REPO
@@ -140,8 +141,17 @@ ENUMS: dict[tuple[str, str], set[str]] = {
     ("pdproxy_registry_instances", "role"): {r.value for r in Role},
     ("pdproxy_inflight_requests", "role"): {r.value for r in Role},
     ("pdproxy_upstream_errors_total", "role"): {r.value for r in Role},
-    ("pdproxy_requests_total", "endpoint"): set(COMPLETION_PATHS) | set(COUNTED_PATHS),
-    ("pdproxy_request_duration_seconds_bucket", "endpoint"): set(COMPLETION_PATHS),
+    ("pdproxy_requests_total", "endpoint"): {
+        *COMPLETION_PATHS,
+        *COUNTED_PATHS,
+        *PASSTHROUGH_PATHS,
+        UNKNOWN_LABEL,
+    },
+    ("pdproxy_request_duration_seconds_bucket", "endpoint"): {
+        *COMPLETION_PATHS,
+        *PASSTHROUGH_PATHS,
+        UNKNOWN_LABEL,
+    },
     # "saturated" is the one kind the dashboard singles out: the proxy's own congestion.
     ("pdproxy_upstream_errors_total", "kind"): {"saturated"},
 }

@@ -133,6 +133,8 @@ SAMPLES: dict[str, tuple[str, Any]] = {
     "api_key": ("sk-one", ["sk-one"]),
     "api_key_file": ("/etc/pdproxy/keys", Path("/etc/pdproxy/keys")),
     "open_paths": ("/health", ["/health"]),
+    "passthrough_role": ("/tokenize=prefill", ["/tokenize=prefill"]),
+    "passthrough_unknown_paths": ("true", True),
     "admin_token": ("admin-token-1", "admin-token-1"),
     "admin_token_file": ("/etc/pdproxy/admin", Path("/etc/pdproxy/admin")),
     "peers_dns": ("pdproxy-peers.ns.svc", "pdproxy-peers.ns.svc"),
