@@ -66,11 +66,11 @@ PASSTHROUGH_PATHS = (
 # Every other path passed through is counted under one label: client-chosen paths must not
 # grow label sets.
 UNKNOWN_LABEL = "other"
-# pdproxy's own paths (FastAPI's routes, the admin prefix): never passed through.
-_OWN_PATHS = frozenset(
-    ("/health", "/ready", "/metrics", "/v1/models", "/v1/instances", "/openapi.json")
-)
-_OWN_PREFIXES = ("/v1/instances/", "/v1/admin/")
+# pdproxy's own paths (FastAPI's routes, the admin prefixes): never passed through. The
+# prefixes are exactly those the front door's admin check skips the client key for (a path
+# there passed through would reach an instance without one).
+_OWN_PATHS = frozenset(("/health", "/ready", "/metrics", "/v1/models", "/openapi.json"))
+_OWN_PREFIXES = ("/v1/instances", "/v1/admin/")
 # HEAD is left out: its answer has no body, which the upstream client does not expect.
 _METHODS = frozenset(("GET", "POST", "PUT", "PATCH", "DELETE"))
 # Failures that happen before the request reached the instance: safe to send elsewhere.

@@ -265,7 +265,7 @@ def test_unknown_paths_pass_through_with_the_flag(open_fleet: LocalFleet) -> Non
     assert (answer.json()["role"], answer.json()["method"]) == ("prefill", "DELETE")
 
 
-@pytest.mark.parametrize("path", ["/v1/admin/anything", "/v1/instances/x/y"])
+@pytest.mark.parametrize("path", ["/v1/admin/anything", "/v1/instances/x/y", "/v1/instancesx"])
 def test_pdproxys_own_paths_are_never_passed_through(open_fleet: LocalFleet, path: str) -> None:
     assert_openai_error(call(open_fleet, path, "GET", key=None), 404)
 

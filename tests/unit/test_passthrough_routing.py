@@ -108,10 +108,17 @@ def test_the_table_holds_vllms_endpoints_and_none_of_pdproxys() -> None:
 
 @pytest.mark.parametrize(
     "path",
-    [*COUNTED_PATHS, "/v1/instances/10.0.0.1:8000", "/v1/instances/x/drain", "/v1/admin/x"],
+    [
+        *COUNTED_PATHS,
+        "/v1/instances/10.0.0.1:8000",
+        "/v1/instances/x/drain",
+        "/v1/instancesx",
+        "/v1/admin/x",
+    ],
 )
 def test_pdproxys_own_paths_are_never_passed_through(path: str) -> None:
-    # /v1/admin/ skips the client key check: passing it through would open the instances.
+    # The front door skips the client key check for admin paths: passed through, they would
+    # reach the instances without one.
     assert is_own_path(path)
 
 
