@@ -9,7 +9,7 @@ fleet's capacity (round robin's saturation throughput, as bench_pairing.py measu
 Goal (issue 23): TTFT p99 of 3 replicas within 1.2x of one replica's, prefix-hit rate within 5
 points.
 
-    .venv/bin/python benchmarks/bench_replicas.py            # 3 seeds x 10,000 requests (minutes)
+    .venv/bin/python benchmarks/bench_replicas.py            # 3 seeds x 10,000 requests (~10 s)
     .venv/bin/python benchmarks/bench_replicas.py --quick    # 1 seed x 3,000 requests
 """
 
@@ -72,13 +72,15 @@ def compare(scenario: Scenario, load: float) -> tuple[float, list[Row]]:
 
 def table(rows: Sequence[Row]) -> str:
     lines = [
-        "| proxies | TTFT p50 (ms) | TTFT p99 (ms) | throughput (req/s) | prefix-hit rate |",
-        "|---|---:|---:|---:|---:|",
+        "| proxies | TTFT p50 (ms) | TTFT p99 (ms) | throughput (req/s) | prefix-hit rate "
+        "| prefill wait p99 (ms) | busiest prefill |",
+        "|---|---:|---:|---:|---:|---:|---:|",
     ]
     for r in rows:
         lines.append(
             f"| {r.variant} | {r.ttft_p50_ms:,.0f} | {r.ttft_p99_ms:,.0f} "
-            f"| {r.throughput_rps:.1f} | {r.hit_rate:.1%} |"
+            f"| {r.throughput_rps:.1f} | {r.hit_rate:.1%} | {r.prefill_wait_p99_ms:,.0f} "
+            f"| {r.prefill_busy_max:.0%} |"
         )
     return "\n".join(lines)
 

@@ -4,6 +4,7 @@ and passed down: the registry table, pairing, reliability, the upstream client, 
 from __future__ import annotations
 
 import asyncio
+import secrets
 from collections.abc import Callable
 from dataclasses import dataclass
 
@@ -44,9 +45,15 @@ class AppState:
 
 
 def planner_from(settings: Settings) -> Planner:
+    # Seeds of this process's own: replicas (and workers) that share a seed draw the same
+    # candidates for the same tickets, all at once, and herd onto the same instances.
     return Planner(
-        make_policy(settings.prefill_policy, load_factor=settings.prefix_affinity_load_factor),
-        make_policy(settings.decode_policy),
+        make_policy(
+            settings.prefill_policy,
+            load_factor=settings.prefix_affinity_load_factor,
+            seed=secrets.randbits(64),
+        ),
+        make_policy(settings.decode_policy, seed=secrets.randbits(64)),
         allow_unknown_geometry=settings.allow_unknown_geometry,
         kv_capacity_tokens=settings.decode_kv_capacity_tokens,
         instance_cap=settings.instance_max_inflight,

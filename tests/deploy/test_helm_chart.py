@@ -265,7 +265,12 @@ def test_all_on_example_moves_every_config_key_off_its_default() -> None:
         ({"image": {"pullPolicy": "Sometimes"}}, "/image/pullPolicy"),
         ({"fleet": {"enabled": True}}, "/fleet/model"),
         ({"fleet": {"connector": "LMCacheConnectorV1"}}, "/fleet/connector"),
-        ({"fleet": {"connector": "NixlConnector"}}, "/fleet/announce/enabled"),
+        (
+            {"fleet": {"connector": "NixlConnector", "announce": {"enabled": False}}},
+            "/fleet/announce/enabled",
+        ),
+        # The default fleet is NixlConnector with the sidecar: PdproxyConnector turns it off.
+        ({"fleet": {"connector": "PdproxyConnector"}}, "/fleet/announce/enabled"),
         ({"podDisruptionBudget": {"maxUnavailable": "10"}}, "/podDisruptionBudget/maxUnavailable"),
         (
             {"fleet": {"connector": "PdproxyConnector", "announce": {"enabled": True}}},

@@ -21,6 +21,7 @@ from collections.abc import Callable
 import pytest
 
 from pdproxy.base.roles import Role
+from pdproxy.config import Settings
 from pdproxy.ids import Address
 from pdproxy.pairing.candidates import Candidates
 from pdproxy.pairing.features import PrefixWindow, RequestFeatures
@@ -41,6 +42,7 @@ from pdproxy.pairing.policies.prefix_affinity import (
 from pdproxy.pairing.policies.round_robin import RoundRobin
 from pdproxy.pairing.prefix_cache import PrefixCache
 from pdproxy.pairing.scoreboard import LoadKind
+from pdproxy.proxy.state import planner_from
 from pdproxy.registry.messages import Load
 from pdproxy.registry.table import Instance, Snapshot, Source
 
@@ -1162,3 +1164,21 @@ def test_a_replica_with_a_third_of_the_legs_bounds_like_one_proxy_with_all() -> 
             assert policy.choose(replica, request, 0).name == choice.name, (key, tokens)
             spilled += choice.name != home_of(unreported, key).name
     assert spilled > 20  # the bound is what decides, not only the ring
+
+
+def test_each_planner_built_for_serving_draws_its_own_power_of_two_sequence() -> None:
+    """Replicas (and a replica's workers) build their planners alike: with one shared seed
+    they would draw the same two candidates for the same ticket, at once."""
+    settings = Settings(prefill_policy="power_of_two", decode_policy="power_of_two")
+    candidates = cands(tuple(p(i) for i in range(10)))
+    planners = [planner_from(settings) for _ in range(3)]
+    sequences = {
+        (
+            tuple(planner.prefill_policy.choose(candidates, NO_PREFIX, t) for t in range(50)),
+            tuple(planner.decode_policy.choose(candidates, NO_PREFIX, t) for t in range(50)),
+        )
+        for planner in planners
+    }
+    assert len(sequences) == 3
+    prefill, decode = next(iter(sequences))
+    assert prefill != decode
