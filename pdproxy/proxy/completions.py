@@ -70,7 +70,7 @@ class CompletionsEndpoint:
             with Deadline(self._alarms, task, self._settings.request_timeout) as deadline:
                 exchange.deadline = deadline.when() or exchange.deadline
                 async with self._admission.slot():
-                    body = await self._read_body(exchange, client)
+                    body = await read_body(exchange, client, self._settings, self._alarms)
                     request = parse_completion(self._path, body, self._max_values)
                     exchange.notes.model, exchange.notes.stream = request.model, request.stream
                     exchange.watch_disconnect()
@@ -80,7 +80,7 @@ class CompletionsEndpoint:
             self._log_failure(exc, client_id, exchange.request_id)
             await exchange.fail(exc)
         except TimeoutError:
-            error = self._timed_out(exchange)
+            error = timed_out(exchange, self._settings.request_timeout)
             exchange.notes.error = error.code
             await exchange.fail(error)
         except ClientGone:
@@ -117,20 +117,6 @@ class CompletionsEndpoint:
                     exchange.request_id or "-",
                 )
 
-    async def _read_body(self, exchange: Exchange, client: ClientHeaders) -> bytes:
-        """The body, within `body_timeout`: a client trickling it must not hold its admission
-        slot for the whole request timeout."""
-        limit = self._settings.body_timeout
-        try:
-            with Deadline(self._alarms, exchange.task, limit):
-                return await exchange.read_body(
-                    self._settings.max_body_bytes, client.content_length
-                )
-        except TimeoutError:
-            raise ProxyError(
-                408, f"request body not received within {limit:g}s", code="timeout"
-            ) from None
-
     def _log_access(
         self, exchange: Exchange, status: int, elapsed: float, client_id: bytes | None
     ) -> None:
@@ -155,12 +141,6 @@ class CompletionsEndpoint:
         }
         access.info("request", extra={FIELDS: fields})
 
-    def _timed_out(self, exchange: Exchange) -> ProxyError:
-        limit = self._settings.request_timeout
-        if not exchange.body_read:  # the client was too slow to send its request
-            return ProxyError(408, f"request body not received within {limit:g}s", code="timeout")
-        return ProxyError(504, f"request took longer than {limit:g}s", code="request_timeout")
-
     @staticmethod
     def _log_failure(exc: ProxyError, client_id: bytes | None, request_id: str) -> None:
         log.warning(
@@ -170,6 +150,28 @@ class CompletionsEndpoint:
             client_id.decode("latin-1") if client_id else None,
             request_id or "-",
         )
+
+
+async def read_body(
+    exchange: Exchange, client: ClientHeaders, settings: Settings, alarms: Alarms
+) -> bytes:
+    """The body, within `body_timeout`: a client trickling it must not hold its admission
+    slot for the whole request timeout."""
+    limit = settings.body_timeout
+    try:
+        with Deadline(alarms, exchange.task, limit):
+            return await exchange.read_body(settings.max_body_bytes, client.content_length)
+    except TimeoutError:
+        raise ProxyError(
+            408, f"request body not received within {limit:g}s", code="timeout"
+        ) from None
+
+
+def timed_out(exchange: Exchange, limit: float) -> ProxyError:
+    """What a client hears when the whole request outlived `limit` (request_timeout)."""
+    if not exchange.body_read:  # the client was too slow to send its request
+        return ProxyError(408, f"request body not received within {limit:g}s", code="timeout")
+    return ProxyError(504, f"request took longer than {limit:g}s", code="request_timeout")
 
 
 def _outcome(exchange: Exchange, status: int) -> str:

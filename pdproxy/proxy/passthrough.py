@@ -27,7 +27,13 @@ from pdproxy.http.upstream import UpstreamClient
 from pdproxy.logs import ACCESS_LOGGER, FIELDS
 from pdproxy.metrics import Metrics
 from pdproxy.proxy.admission import Admission
-from pdproxy.proxy.completions import CLIENT_CLOSED, SHUTTING_DOWN, read_client_headers
+from pdproxy.proxy.completions import (
+    CLIENT_CLOSED,
+    SHUTTING_DOWN,
+    read_body,
+    read_client_headers,
+    timed_out,
+)
 from pdproxy.proxy.dispatch import Dispatcher
 from pdproxy.proxy.errors import ProxyError
 from pdproxy.proxy.exchange import ClientGone, ClientHeaders, Exchange, Scope
@@ -143,7 +149,7 @@ class PassThroughEndpoint:
             with Deadline(self._alarms, task, self._settings.request_timeout) as deadline:
                 exchange.deadline = deadline.when() or exchange.deadline
                 async with self._admission.slot():
-                    body = await self._read_body(exchange, client)
+                    body = await read_body(exchange, client, self._settings, self._alarms)
                     exchange.notes.model = _model_of(body)
                     exchange.watch_disconnect()
                     await self._serve(scope, target, body, exchange, client)
@@ -153,7 +159,7 @@ class PassThroughEndpoint:
             await exchange.fail(exc)
         except TimeoutError:
             exchange.notes.error = "timeout"
-            await exchange.fail(self._timed_out(exchange))
+            await exchange.fail(timed_out(exchange, self._settings.request_timeout))
         except ClientGone:
             exchange.client_gone = True
         except asyncio.CancelledError:
@@ -174,18 +180,6 @@ class PassThroughEndpoint:
             self._metrics.request_answered(self._label, str(status), elapsed)
             if self._access_log and access.isEnabledFor(logging.INFO):
                 self._log_access(exchange, scope, status, elapsed)
-
-    async def _read_body(self, exchange: Exchange, client: ClientHeaders) -> bytes:
-        limit = self._settings.body_timeout
-        try:
-            with Deadline(self._alarms, exchange.task, limit):
-                return await exchange.read_body(
-                    self._settings.max_body_bytes, client.content_length
-                )
-        except TimeoutError:
-            raise ProxyError(
-                408, f"request body not received within {limit:g}s", code="timeout"
-            ) from None
 
     async def _serve(
         self, scope: Scope, target: str, body: bytes, exchange: Exchange, client: ClientHeaders
@@ -296,12 +290,6 @@ class PassThroughEndpoint:
             leg.succeeded()
         else:
             leg.failed(kind, f"answered HTTP {status}: {answer[:300]!r}")
-
-    def _timed_out(self, exchange: Exchange) -> ProxyError:
-        limit = self._settings.request_timeout
-        if not exchange.body_read:
-            return ProxyError(408, f"request body not received within {limit:g}s", code="timeout")
-        return ProxyError(504, f"request took longer than {limit:g}s", code="request_timeout")
 
     def _log_access(self, exchange: Exchange, scope: Scope, status: int, elapsed: float) -> None:
         notes = exchange.notes
