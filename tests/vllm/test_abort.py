@@ -15,11 +15,17 @@ pytestmark = pytest.mark.vllm
 LONG = MAX_MODEL_LEN - 100  # several seconds of generation on this machine
 RUNNING = "vllm:num_requests_running"
 GENERATED = "vllm:generation_tokens_total"
+ATTEMPTS = 3
 
 
-def test_disconnect_mid_stream_aborts_decode_in_vllm(real_stack: RealStack) -> None:
-    decode = real_stack.decode
-    stream = real_stack.client().completions.create(
+def _leave_mid_stream(stack: RealStack) -> tuple[str, bool]:
+    """Start a long generation through the proxy and leave after its first chunk.
+
+    Returns the request's tag and whether the decode was still generating when the client left:
+    on a loaded machine the API server, sharing its core with the engine, may fall so far
+    behind that the first chunk arrives after the whole generation ended (vLLM merges what the
+    client has not read yet), and then there is nothing left to abort."""
+    stream = stack.client().completions.create(
         model=MODEL_NAME,
         prompt="Tell me a very long story",
         max_tokens=LONG,
@@ -27,23 +33,31 @@ def test_disconnect_mid_stream_aborts_decode_in_vllm(real_stack: RealStack) -> N
         temperature=0.0,
         extra_body={"ignore_eos": True},
     )
-    tag = ""
-    for received, chunk in enumerate(stream, start=1):
-        tag = chunk.id.removeprefix("cmpl-")
-        if received == 5:
-            break
-    # The client leaves right after its fifth chunk. (It used to wait first for vLLM's running
-    # gauge, which may trail the first chunks: in one CI run that wait outlasted the whole
-    # generation, and the request finished before anyone left. ABORTED below shows the request
-    # was still running when the abort reached it.)
+    chunk = next(iter(stream))
+    tag = chunk.id.removeprefix("cmpl-")
+    finished_before = any(
+        row["event"] == "finished" for row in stack.records_for(stack.decode, tag)
+    )
     stream.close()
-    left = time.monotonic()
+    return tag, not finished_before
+
+
+def test_disconnect_mid_stream_aborts_decode_in_vllm(real_stack: RealStack) -> None:
+    decode = real_stack.decode
+    for attempt in range(1, ATTEMPTS + 1):
+        tag, running = _leave_mid_stream(real_stack)
+        left = time.monotonic()
+        if running:
+            break
+        print(f"\nattempt {attempt}: the generation had ended before its first chunk arrived")
+    else:
+        pytest.fail(f"in {ATTEMPTS} attempts the generation always ended before the client left")
 
     wait_until(lambda: metric_sum(decode, RUNNING) == 0, 5.0, "vLLM to stop running the request")
     stopped_after = time.monotonic() - left
     finished = real_stack.wait_finished(decode, tag)
     assert "ABORTED" in finished[0]["status"]
-    assert 5 <= finished[0]["output_tokens"] < LONG
+    assert 1 <= finished[0]["output_tokens"] < LONG
     # And nothing generates any more.
     generated = metric_sum(decode, GENERATED)
     time.sleep(1.0)

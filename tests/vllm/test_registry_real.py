@@ -92,6 +92,7 @@ def test_stopped_vllm_server_leaves_the_registry_within_the_ttl(
 
 
 BARRIER_TIMEOUT_S = 60.0  # one generation of 1,500 tokens takes seconds here
+GENERATION_BOUND_S = 60.0
 
 
 def _busy(
@@ -103,23 +104,22 @@ def _busy(
     """Keep one long generation running on P, straight to vLLM (not through the proxy).
 
     The generations start together, round after round: started independently they drifted
-    into taking turns on this 2-core machine (the second client thread starved while the first
-    streamed), so vLLM never ran two at once for long enough to be reported."""
-    client = openai.OpenAI(base_url=f"{stack.prefill.url}/v1", api_key="x", max_retries=0)
+    into taking turns on this 2-core machine, so vLLM never ran two at once for long enough to
+    be reported. They are not streamed: a client thread that reads a stream chunk by chunk
+    competes for the cores with the engine, and on a loaded machine one stream lagged until the
+    other had ended."""
+    client = openai.OpenAI(
+        base_url=f"{stack.prefill.url}/v1", api_key="x", max_retries=0, timeout=GENERATION_BOUND_S
+    )
     try:
         while not stop.is_set():
             together.wait(BARRIER_TIMEOUT_S)
-            stream = client.completions.create(
+            client.completions.create(
                 model=MODEL_NAME,
                 prompt="Keep going",
                 max_tokens=1500,
-                stream=True,
                 extra_body={"ignore_eos": True},
             )
-            for _chunk in stream:
-                if stop.is_set():
-                    stream.close()
-                    break
     except threading.BrokenBarrierError:
         if not stop.is_set():  # broken by the test on its way out: not a failure
             errors.append(AssertionError("the other generation never came back to start"))
@@ -205,7 +205,7 @@ def test_announce_sidecar_reports_real_vllm_load(real_stack: RealStack, tmp_path
         assert busy["kv_usage"] > 0.0
         stop.set()
         for worker in workers:
-            worker.join(30)
+            worker.join(GENERATION_BOUND_S + 5)
         assert not errors
         wait_until(
             lambda: announced().get("load", {}).get("running") == 0,
@@ -219,6 +219,6 @@ def test_announce_sidecar_reports_real_vllm_load(real_stack: RealStack, tmp_path
         stop.set()
         for worker in workers:
             if worker.is_alive():
-                worker.join(30)
+                worker.join(GENERATION_BOUND_S + 5)
         sidecar.stop()
         proxy.stop()
