@@ -184,8 +184,9 @@ class Metrics:
         )
         self.unpaired = Counter(
             "pdproxy_unpaired_requests",
-            "Requests refused (503) because no compatible prefill/decode pair could serve "
-            "them, by reason (no_instance, no_prefill, no_decode, incompatible).",
+            "Requests refused because no compatible prefill/decode pair could serve them "
+            "(503; 404 for a model no registered instance serves: no_instance), by reason "
+            "(no_instance, no_prefill, no_decode, incompatible).",
             ["reason"],
             registry=r,
         )

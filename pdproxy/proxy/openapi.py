@@ -24,7 +24,7 @@ def _errors(*statuses: int) -> dict[str, Any]:
         400: "invalid request (OpenAI-shaped error)",
         401: "API key or admin token missing or wrong",
         403: "admin endpoints disabled (no admin token configured)",
-        404: "not found",
+        404: "not found (for a completion: a model no registered instance serves)",
         405: "method not allowed",
         408: "the request body was not received in time",
         409: "not registered (registry full, or a conflicting static instance)",

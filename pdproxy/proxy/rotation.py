@@ -101,7 +101,7 @@ class Rotation:
             return choice
         blocked = self._planner.index(snapshot, excluded).view(features.model)
         if not busy or blocked.prefills is None:
-            raise self._unpaired(choice, excluded)
+            raise self._unknown_model(features.model) or self._unpaired(choice, excluded)
         return None
 
     async def choose_one(self, role: Role, model: str | None, avoid: frozenset[str]) -> Instance:
@@ -132,7 +132,10 @@ class Rotation:
         if not busy or self._planner.index(snapshot, excluded).members(role, model) is None:
             kind = Unpaired.NO_PREFILL if role is Role.PREFILL else Unpaired.NO_DECODE
             served = "any model" if model is None else f"model {model!r}"
-            raise self._unpaired(NoPair(kind, f"no {role} instance serves {served}"), excluded)
+            unknown = None if model is None else self._unknown_model(model)
+            raise unknown or self._unpaired(
+                NoPair(kind, f"no {role} instance serves {served}"), excluded
+            )
         return None
 
     def choose_direct(self, features: RequestFeatures, avoid: frozenset[str]) -> Direct | None:
@@ -182,6 +185,18 @@ class Rotation:
         snapshot = self._table.snapshot()
         members = snapshot.prefills if role is Role.PREFILL else snapshot.decodes
         return sum(1 for i in members if i.name not in self.drained)
+
+    def _unknown_model(self, model: str) -> ProxyError | None:
+        """vLLM's 404 for a model that no registered instance serves (in rotation or not,
+        healthy or not) while some are registered: waiting would not help, so no Retry-After.
+        An empty registry (a fleet still starting) stays a 503."""
+        registered = [entry.instance for entry in self._table.registrations()]
+        if not registered or any(instance.serves(model) for instance in registered):
+            return None
+        self.metrics.unpaired.labels(Unpaired.NO_INSTANCE.value).inc()
+        return ProxyError(
+            404, f"The model `{model}` does not exist.", code="model_not_found", param="model"
+        )
 
     def _unpaired(self, choice: NoPair, excluded: frozenset[str]) -> ProxyError:
         self.metrics.unpaired.labels(choice.kind.value).inc()

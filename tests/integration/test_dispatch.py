@@ -379,7 +379,7 @@ def test_mixed_outcomes_leave_nothing_in_flight(fleet_factory: FleetFactory) -> 
 
     asyncio.run(run())
     assert sum(outcomes.values()) == 500
-    assert outcomes["400"] == 100 and outcomes["503"] == 100
+    assert outcomes["400"] == 100 and outcomes["404"] == 100
     # The failing prefill's requests were retried on the healthy one: no client saw its 500s.
     assert outcomes["502"] == 0 and outcomes["200"] > 0 and outcomes["hung_up"] > 0
     assert metric_value(fleet.proxy_url, "pdproxy_retries_total", {"role": "prefill"}) > 0

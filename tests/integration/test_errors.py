@@ -29,6 +29,7 @@ from tests.integration.support import (
 
 MODEL = "fake-model"
 GOOD = {"model": MODEL, "prompt": "hello", "max_tokens": 3}
+ADMIN = "admin-token-for-error-tests"
 
 
 def assert_openai_error(answer: Answer, status: int, *fragments: str) -> dict[str, Any]:
@@ -49,10 +50,14 @@ def set_behaviour(worker: Worker, **behaviour: Any) -> None:
 
 @pytest.fixture(scope="module")
 def fleet(tmp_path_factory: pytest.TempPathFactory) -> Iterator[LocalFleet]:
+    directory = tmp_path_factory.mktemp("errors")
+    (directory / "admin").write_text(ADMIN + "\n", encoding="utf-8")
     fleet = LocalFleet(
-        tmp_path_factory.mktemp("errors"),
+        directory,
         [WorkerSpec("P"), WorkerSpec("D")],
         proxy_args=[
+            "--admin-token-file",
+            str(directory / "admin"),
             "--max-body-bytes",
             "4096",
             "--connect-timeout",
@@ -131,10 +136,29 @@ def test_wrong_method_is_405(fleet: LocalFleet) -> None:
     assert_openai_error(answer, 405, "POST")
 
 
-def test_no_instance_for_model_is_503_with_retry_after(fleet: LocalFleet) -> None:
+def test_a_model_no_instance_serves_is_vllms_404(fleet: LocalFleet) -> None:
+    # As vLLM answers it, and final: no Retry-After that would make a client try again.
     answer = post_json(fleet.proxy_url + "/v1/completions", dict(GOOD, model="other-model"))
-    assert_openai_error(answer, 503, "other-model")
-    assert answer.headers["retry-after"] == "7"
+    error = assert_openai_error(answer, 404, "The model `other-model` does not exist.")
+    assert (error["code"], error["param"]) == ("model_not_found", "model")
+    assert "retry-after" not in answer.headers
+
+
+def test_no_instance_in_rotation_is_503_with_retry_after(fleet: LocalFleet) -> None:
+    # The model is served, by an instance out of rotation for now: worth retrying later.
+    decode = fleet.role("D")[0]
+    drain = f"{fleet.proxy_url}/v1/instances/{decode.http_address}/drain"
+    admin = {"Authorization": f"Bearer {ADMIN}"}
+    assert request(drain, "POST", b"", admin).status == 200
+    try:
+        answer = post_json(fleet.proxy_url + "/v1/completions", GOOD)
+        error = assert_openai_error(
+            answer, 503, f"no decode instance serves model {MODEL!r}", "out of rotation"
+        )
+        assert error["code"] == "no_instance"
+        assert answer.headers["retry-after"] == "7"
+    finally:
+        assert request(drain, "DELETE", None, admin).status == 200
 
 
 def test_prefill_5xx_is_502_naming_role_and_instance(fleet: LocalFleet) -> None:

@@ -78,7 +78,7 @@ def test_failures_and_untraced_requests_are_logged_too(fleet_factory: FleetFacto
     )
     assert ok.status == 200
     refused = post_json(fleet.proxy_url + "/v1/completions", {"model": "nobody", "prompt": "x"})
-    assert refused.status == 503
+    assert refused.status == 404
     bad = post_json(fleet.proxy_url + "/v1/completions", {"prompt": "no model"})
     assert bad.status == 400
     first, second, third = wait_access_lines(fleet, 3)
@@ -87,7 +87,7 @@ def test_failures_and_untraced_requests_are_logged_too(fleet_factory: FleetFacto
     # Without a client traceparent both legs share one new trace, named in the log.
     traces = {leg["headers"]["traceparent"].split("-")[1] for leg in fleet.completion_requests()}
     assert traces == {first["trace_id"]}
-    assert (second["status"], second["outcome"]) == (503, "no_instance")
+    assert (second["status"], second["outcome"]) == (404, "model_not_found")
     assert second["prefill"] is None and second["decode"] is None
     assert (third["status"], third["outcome"]) == (400, "missing_model")
 

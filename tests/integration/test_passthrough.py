@@ -204,12 +204,12 @@ def test_a_large_streamed_answer_is_relayed_intact(fleet: LocalFleet) -> None:
     assert answer.body == pattern(size)
 
 
-def test_a_model_nobody_serves_gets_the_completions_503(fleet: LocalFleet) -> None:
+def test_a_model_nobody_serves_gets_the_completions_404(fleet: LocalFleet) -> None:
     answer = post(fleet, "/tokenize", {"model": "no-such-model", "prompt": "p"})
-    error = assert_openai_error(answer, 503)
-    assert error["code"] == "no_instance"
-    assert "no decode instance serves model 'no-such-model'" in error["message"]
-    assert answer.headers["retry-after"]
+    error = assert_openai_error(answer, 404)
+    assert (error["code"], error["param"]) == ("model_not_found", "model")
+    assert error["message"] == "The model `no-such-model` does not exist."
+    assert "retry-after" not in answer.headers
 
 
 def test_passed_through_requests_are_counted_by_path(fleet: LocalFleet) -> None:
