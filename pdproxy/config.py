@@ -8,6 +8,7 @@ environment variables, command-line flags. The CLI flags are generated from the 
 from __future__ import annotations
 
 import argparse
+import difflib
 import importlib.util
 import json
 import os
@@ -27,6 +28,7 @@ from pydantic import (
     model_validator,
 )
 
+from pdproxy.base.endpoints import parse_endpoint
 from pdproxy.base.roles import WIRE_LETTERS, Role
 from pdproxy.ids import Address, AddressError, parse_address
 from pdproxy.pairing.policies import DecodePolicyName, PrefillPolicyName
@@ -165,7 +167,8 @@ class Settings(BaseModel):
     port: int = Field(8000, ge=1, le=65535, description="HTTP port.")
     registry_bind: str = Field(
         "tcp://0.0.0.0:30001",
-        description="ZMQ ROUTER address workers announce to (vLLM's proxy_ip:proxy_port).",
+        description="Address the registry listens on for workers' announcements (vLLM's "
+        "proxy_ip:proxy_port): [tcp://]HOST:PORT, `*` or 0.0.0.0 for every interface.",
     )
     ttl: float = Field(
         10.0, gt=0, description="Seconds without a message after which an instance expires."
@@ -550,6 +553,12 @@ class Settings(BaseModel):
             return value
         return [part.strip() for item in value for part in str(item).split(",") if part.strip()]
 
+    @field_validator("registry_bind")
+    @classmethod
+    def _registry_endpoint(cls, value: str) -> str:
+        # One syntax for every command: tcp:// optional; stored as what ZMQ binds.
+        return parse_endpoint(value, wildcard=True).zmq()
+
     @field_validator("registry_v0_cidrs", "registry_address_cidrs")
     @classmethod
     def _cidrs_valid(cls, value: list[str]) -> list[str]:
@@ -584,6 +593,21 @@ class Settings(BaseModel):
         ):
             if getattr(self, name) <= self.connect_timeout:
                 raise ValueError(f"{name} must be longer than connect_timeout")
+        return self
+
+    @model_validator(mode="after")
+    def _static_instances_distinct(self) -> Settings:
+        # The table keys instances by HTTP address: a second spec would silently replace the
+        # first (or turn a prefill into a decode).
+        seen: dict[str, str] = {}
+        for role, specs in (("prefill", self.prefill), ("decode", self.decode)):
+            for spec in specs:
+                if spec.http in seen:
+                    raise ValueError(
+                        f"static instance {spec.http} is given twice (as {seen[spec.http]} "
+                        f"and as {role})"
+                    )
+                seen[spec.http] = role
         return self
 
     @model_validator(mode="after")
@@ -795,12 +819,39 @@ def load_settings(
     try:
         return Settings.model_validate(merged)
     except ValidationError as exc:
-        raise ConfigError(_describe(exc)) from None
+        raise ConfigError(_describe(exc, sources)) from None
 
 
-def _describe(exc: ValidationError) -> str:
+# pydantic's own words before a validator's message: not the user's concern.
+_PYDANTIC_PREFIXES = ("Value error, ", "Assertion failed, ")
+
+
+def _describe(exc: ValidationError, sources: list[tuple[str, dict[str, Any]]]) -> str:
+    """One line per error, naming where the value came from (the last source that set it
+    wins) and, for a name no setting has, the closest one that exists."""
     lines = []
     for error in exc.errors():
-        where = ".".join(str(part) for part in error["loc"]) or "settings"
-        lines.append(f"{where}: {error['msg']}")
+        loc = [str(part) for part in error["loc"]]
+        name = loc[0] if loc else ""
+        message = str(error["msg"])
+        for prefix in _PYDANTIC_PREFIXES:
+            message = message.removeprefix(prefix)
+        if error["type"] == "extra_forbidden":
+            close = difflib.get_close_matches(name, list(Settings.model_fields), n=1)
+            message = "no such setting" + (f" (did you mean {close[0]!r}?)" if close else "")
+        origin = next((label for label, values in reversed(sources) if name in values), None)
+        if not loc:  # a rule across several settings
+            lines.append(message)
+        elif origin is None:
+            lines.append(f"{'.'.join(loc)}: {message}")
+        else:
+            lines.append(f"{'.'.join(loc)} ({_origin(name, origin)}): {message}")
     return "invalid settings: " + "; ".join(lines)
+
+
+def _origin(name: str, source: str | None) -> str:
+    if source == "flags":
+        return "flag --" + name.replace("_", "-")
+    if source == "environment":
+        return f"environment {ENV_PREFIX}{name.upper()}"
+    return str(source)

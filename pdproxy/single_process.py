@@ -14,7 +14,8 @@ log = logging.getLogger("pdproxy")
 
 
 def serve_single(settings: Settings, credentials: Credentials) -> int:
-    return 0 if run_server(PdproxyApp(settings, credentials=credentials), settings) else 1
+    app = PdproxyApp(settings, credentials=credentials)
+    return 0 if run_server(app, settings, on_started=app.log_ready) else 1
 
 
 def raise_descriptor_limit() -> None:

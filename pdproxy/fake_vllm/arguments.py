@@ -5,6 +5,7 @@ from __future__ import annotations
 import argparse
 from pathlib import Path
 
+from pdproxy.base.endpoints import Endpoint, EndpointError, parse_endpoint
 from pdproxy.base.roles import WIRE_LETTERS, Role
 from pdproxy.fake_vllm.config import (
     CONNECTOR_KINDS,
@@ -12,7 +13,7 @@ from pdproxy.fake_vllm.config import (
     Geometry,
     WorkerConfig,
 )
-from pdproxy.ids import Address, AddressError, make_address, parse_address
+from pdproxy.ids import Address, make_address
 from pdproxy.vllm_side.secret import read_secret_file
 
 
@@ -44,10 +45,10 @@ def positive_int(text: str) -> int:
     return value
 
 
-def parse_proxy(text: str) -> Address:
+def parse_proxy(text: str) -> Endpoint:
     try:
-        return parse_address(text)
-    except AddressError as err:
+        return parse_endpoint(text)
+    except EndpointError as err:
         raise argparse.ArgumentTypeError(str(err)) from None
 
 
@@ -78,7 +79,7 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
         "--proxy",
         type=parse_proxy,
         default=None,
-        metavar="HOST:PORT",
+        metavar="[tcp://]HOST:PORT",
         help="registry address; when given, announce to it",
     )
     add(

@@ -6,6 +6,7 @@ import uuid
 from dataclasses import dataclass, field
 from typing import Literal
 
+from pdproxy.base.endpoints import Endpoint
 from pdproxy.base.roles import Role
 from pdproxy.ids import Address
 
@@ -44,7 +45,7 @@ class WorkerConfig:
     role: Role
     http: Address
     kv: Address
-    proxy: Address | None
+    proxy: Endpoint | None
     announce: Literal["v0", "v1"]
     announce_interval_s: float
     model: str

@@ -15,6 +15,7 @@ import logging
 import os
 import signal
 import socket
+import sys
 import threading
 from collections.abc import Callable
 
@@ -39,7 +40,11 @@ def run_registry(
     signal.signal(signal.SIGTERM, signal.SIG_IGN)
     configure_logging(settings.log_level, settings.log_format)
     _stop_when_orphaned(supervisor, STOP_REGISTRY)
-    asyncio.run(_registry_main(settings, shared, generation > 0, started))
+    try:
+        asyncio.run(_registry_main(settings, shared, generation > 0, started))
+    except OSError as exc:  # a bind or a file: the message names which, no traceback needed
+        log.error("pdproxy cannot start: %s", exc)
+        sys.exit(1)
 
 
 async def _registry_main(

@@ -11,7 +11,7 @@ import contextlib
 import gc
 import logging
 import time
-from collections.abc import AsyncIterator, Callable
+from collections.abc import AsyncIterator, Callable, MutableMapping
 from typing import Any
 
 from fastapi import FastAPI
@@ -48,7 +48,8 @@ class PdproxyApp:
         self.credentials = credentials or Credentials.from_settings(settings)
         self.api = FastAPI(lifespan=self._lifespan, docs_url=None, redoc_url=None, openapi_url=None)
         install_routes(self.api, lambda: self.state, self.credentials)
-        self.front_door = FrontDoor(self.api, self.credentials)
+        self._startup_failure: str | None = None
+        self.front_door = FrontDoor(self._say_startup_failure, self.credentials)
 
     @property
     def state(self) -> AppState:
@@ -56,9 +57,28 @@ class PdproxyApp:
             raise RuntimeError("pdproxy state used outside the app's lifespan")
         return self._state
 
+    async def _say_startup_failure(self, scope: Scope, receive: Any, send: Any) -> None:
+        """FastAPI, except that a start that failed on an address or a file is said in one
+        line: uvicorn logs the text of a failed startup, and Starlette makes that text the
+        traceback."""
+        if scope["type"] != "lifespan":
+            await self.api(scope, receive, send)
+            return
+
+        async def said(message: MutableMapping[str, Any]) -> None:
+            if message["type"] == "lifespan.startup.failed" and self._startup_failure:
+                message = {**message, "message": self._startup_failure}
+            await send(message)
+
+        await self.api(scope, receive, said)
+
     @contextlib.asynccontextmanager
     async def _lifespan(self, _api: FastAPI) -> AsyncIterator[None]:
-        state = await build_state(self.settings, self._clock, self._registry_side)
+        try:
+            state = await build_state(self.settings, self._clock, self._registry_side)
+        except OSError as exc:  # a bind, a resolve, a file: the message names which
+            self._startup_failure = f"pdproxy cannot start: {exc}"
+            raise
         self._state = state
         self.front_door.metrics = state.metrics
         self.front_door.hot = {
@@ -85,14 +105,6 @@ class PdproxyApp:
         gc.collect()
         gc.freeze()
         gc.set_threshold(20_000, 20, 20)
-        log.info(
-            "pdproxy ready to serve on %s:%d (registry %s, prefill policy %s, decode policy %s)",
-            self.settings.host,
-            self.settings.port,
-            self.settings.registry_bind,
-            self.settings.prefill_policy,
-            self.settings.decode_policy,
-        )
         try:
             yield
         finally:
@@ -106,6 +118,17 @@ class PdproxyApp:
             state.tracing.shutdown()
             state.alarms.close()
             self._state = None
+
+    def log_ready(self) -> None:
+        """Once the HTTP port is bound too (single_process.py): only then is it true."""
+        log.info(
+            "pdproxy ready to serve on %s:%d (registry %s, prefill policy %s, decode policy %s)",
+            self.settings.host,
+            self.settings.port,
+            self.settings.registry_bind,
+            self.settings.prefill_policy,
+            self.settings.decode_policy,
+        )
 
     def _passthrough(self, state: AppState, label: str, role: Role | None) -> PassThroughEndpoint:
         return PassThroughEndpoint(

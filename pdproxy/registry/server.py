@@ -141,12 +141,17 @@ class RegistryServer:
         # not bound one huge multipart message (libzmq holds it whole): only network isolation
         # or authenticated transport can.
         sock.setsockopt(zmq.RCVHWM, _QUEUED_MESSAGES_PER_PEER)
+        if "[" in self._settings.registry_bind:  # an IPv6 literal, bracketed
+            sock.setsockopt(zmq.IPV6, 1)
         try:
             sock.bind(self._settings.registry_bind)
         except zmq.ZMQError as exc:
             sock.close()
             self._context.term()
-            raise OSError(f"cannot bind registry on {self._settings.registry_bind}: {exc}") from exc
+            raise OSError(
+                f"cannot bind the registry on {self._settings.registry_bind} "
+                f"(registry_bind, --registry-bind): {exc}"
+            ) from exc
         self._socket = sock
         self._tasks = [
             asyncio.create_task(self._receive_loop(sock), name="registry-receive"),

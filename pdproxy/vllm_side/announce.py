@@ -22,6 +22,7 @@ from pathlib import Path
 from types import FrameType
 from typing import Any
 
+from pdproxy.base.endpoints import EndpointError, parse_endpoint
 from pdproxy.base.roles import WIRE_LETTERS, Role
 from pdproxy.ids import AddressError, parse_address
 from pdproxy.registry.messages import (
@@ -130,8 +131,9 @@ def add_cli(commands: Any) -> None:
     parser.add_argument(
         "--registry",
         required=True,
-        help="the pdproxy registry, HOST:PORT; a HOST that resolves to several addresses (a "
-        "headless Service) gets the announcements at each, looked up again every period",
+        help="the pdproxy registry, [tcp://]HOST:PORT; a HOST that resolves to several "
+        "addresses (a headless Service) gets the announcements at each, looked up again every "
+        "period",
     )
     parser.add_argument("--model", help="the served model name")
     parser.add_argument("--connector", choices=CONNECTOR_KINDS, default="p2p_nccl")
@@ -174,7 +176,7 @@ def add_cli(commands: Any) -> None:
 
 
 def build_identity(args: argparse.Namespace) -> WorkerIdentity:
-    for name in ("http_address", "zmq_address", "registry", "bootstrap", "side_channel"):
+    for name in ("http_address", "zmq_address", "bootstrap", "side_channel"):
         text = getattr(args, name, None)
         if text is None:
             continue
@@ -182,6 +184,10 @@ def build_identity(args: argparse.Namespace) -> WorkerIdentity:
             parse_address(text)
         except AddressError as exc:
             raise ValueError(f"--{name.replace('_', '-')}: {exc}") from None
+    try:
+        parse_endpoint(args.registry)
+    except EndpointError as exc:
+        raise ValueError(f"--registry: {exc}") from None
     geometry = _geometry(args)
     coordinates = _coordinates(args)
     if args.max_model_len is not None and context_length(args.max_model_len) is None:

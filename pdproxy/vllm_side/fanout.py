@@ -20,8 +20,8 @@ from typing import Any
 import msgpack
 import zmq
 
+from pdproxy.base.endpoints import Endpoint, parse_endpoint
 from pdproxy.base.resolve import DEFAULT_RESOLVE_TIMEOUT_S, BoundedResolver, ResolveError, is_ip
-from pdproxy.ids import parse_address
 from pdproxy.vllm_side.registry_client import registry_socket
 
 log = logging.getLogger("pdproxy.vllm_side")
@@ -34,8 +34,7 @@ def announce_resolver(interval_s: float) -> BoundedResolver:
 
 
 def endpoint(address: str, port: int) -> str:
-    host = f"[{address}]" if ":" in address else address
-    return f"tcp://{host}:{port}"
+    return Endpoint(address, port).zmq()
 
 
 class FanOutClient:
@@ -45,7 +44,7 @@ class FanOutClient:
     def __init__(
         self, registry: str, identity: str, resolver: BoundedResolver | None = None
     ) -> None:
-        target = parse_address(registry)  # ValueError (AddressError) on a malformed one
+        target = parse_endpoint(registry)  # ValueError (EndpointError) on a malformed one
         self._name = target.host
         self._port = target.port
         self._identity = identity
@@ -58,7 +57,7 @@ class FanOutClient:
 
     @property
     def registry(self) -> str:
-        return f"{self._name}:{self._port}"
+        return str(Endpoint(self._name, self._port))
 
     @property
     def endpoints(self) -> tuple[str, ...]:

@@ -461,7 +461,8 @@ def argv(**changes: str) -> list[str]:
         ({"http_address": "127.0.0.1"}, "--http-address"),
         ({"zmq_address": "[::1]:22001"}, "--zmq-address"),
         ({"registry": "127.0.0.1:0"}, "--registry"),
-        ({"registry": "tcp://127.0.0.1:30001"}, "--registry"),
+        ({"registry": "udp://127.0.0.1:30001"}, "--registry"),
+        ({"registry": "fd00::1:30001"}, "--registry"),  # IPv6 goes in brackets
     ],
 )
 def test_bad_address_exits_2(changes: dict[str, str], flag: str) -> None:

@@ -210,7 +210,8 @@ def test_static_prefills_carry_their_connectors_coordinates() -> None:
         "http=127.0.0.1:8200,zmq=127.0.0.1:14580,connector=nixl_push,engine_id=e-1,"
         "side_channel=10.0.0.6:5600"
     )
-    settings = load(["--prefill", mooncake, "--prefill", push, "--decode", mooncake])
+    decode = "http=127.0.0.1:8300,zmq=127.0.0.1:14581,connector=mooncake"
+    settings = load(["--prefill", mooncake, "--prefill", push, "--decode", decode])
     first, second = settings.prefill
     assert first.connector == "mooncake" and first.coordinates is not None
     assert str(first.coordinates.bootstrap) == "10.0.0.5:8998"
@@ -721,3 +722,69 @@ def test_kubernetes_discovery_without_its_extra_is_a_clear_error(
     with pytest.raises(ConfigError, match=r"pip install 'pdproxy\[kubernetes\]'"):
         load_settings(None, environ={"PDPROXY_DISCOVERY": "kubernetes"})
     assert load_settings(None, environ={}).discovery == "registry"
+
+
+# -- errors that say what to do -----------------------------------------------------------------
+
+
+@pytest.mark.parametrize(
+    ("given", "stored"),
+    [
+        ("127.0.0.1:30001", "tcp://127.0.0.1:30001"),
+        ("tcp://0.0.0.0:30001", "tcp://0.0.0.0:30001"),
+        ("TCP://*:30001", "tcp://*:30001"),
+        ("[::1]:30001", "tcp://[::1]:30001"),
+        ("registry.example:30001", "tcp://registry.example:30001"),
+    ],
+)
+def test_registry_bind_takes_tcp_or_not(given: str, stored: str) -> None:
+    assert load(["--registry-bind", given]).registry_bind == stored
+
+
+@pytest.mark.parametrize(
+    ("given", "says"),
+    [
+        ("udp://1.2.3.4:30001", "only tcp:// is supported"),
+        ("1.2.3.4", "has no port"),
+        ("fd00::1:30001", "an IPv6 address in brackets"),
+        ("1.2.3.4:0", "a number from 1 to 65535"),
+        ("1.2.3.4:http", "a number from 1 to 65535"),
+        (":30001", "has no valid host"),
+    ],
+)
+def test_a_malformed_registry_bind_names_the_flag_and_the_syntax(given: str, says: str) -> None:
+    with pytest.raises(ConfigError) as caught:
+        load(["--registry-bind", given])
+    message = str(caught.value)
+    assert "registry_bind (flag --registry-bind)" in message
+    assert says in message and "[tcp://]HOST:PORT" in message
+    assert "Value error" not in message  # pydantic's own wording stays out
+
+
+def test_a_settings_error_names_its_source(tmp_path: Path) -> None:
+    with pytest.raises(ConfigError, match=rf"ttl \(environment {ENV_PREFIX}TTL\)"):
+        load(environ={f"{ENV_PREFIX}TTL": "-1"})
+    config = yaml_file(tmp_path, "port: 0\n")
+    with pytest.raises(ConfigError, match=rf"port \(config file {re.escape(config)}\)"):
+        load(["--config", config])
+    # The flag wins over the file, and the error names the flag.
+    with pytest.raises(ConfigError, match=r"port \(flag --port\)"):
+        load(["--config", yaml_file(tmp_path, "port: 8000\n", "ok.yaml"), "--port", "0"])
+
+
+def test_an_unknown_setting_in_a_file_suggests_the_closest(tmp_path: Path) -> None:
+    config = yaml_file(tmp_path, "registry_bnd: tcp://0.0.0.0:30001\n")
+    with pytest.raises(ConfigError, match=r"no such setting \(did you mean 'registry_bind'\?\)"):
+        load(["--config", config])
+    with pytest.raises(ConfigError) as caught:
+        load(["--config", yaml_file(tmp_path, "zzzzzz: 1\n", "far.yaml")])
+    assert "no such setting" in str(caught.value) and "did you mean" not in str(caught.value)
+
+
+def test_a_static_instance_given_twice_is_an_error() -> None:
+    with pytest.raises(
+        ConfigError, match=r"10.0.0.1:8100 is given twice \(as prefill and as prefill\)"
+    ):
+        load(["--prefill", P1, "--prefill", P1.replace("21001", "21009")])
+    with pytest.raises(ConfigError, match=r"given twice \(as prefill and as decode\)"):
+        load(["--prefill", P1, "--decode", P1.replace("21001", "22009")])

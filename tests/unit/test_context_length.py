@@ -12,6 +12,7 @@ from typing import Any
 import msgpack
 import pytest
 
+from pdproxy.base.endpoints import Endpoint
 from pdproxy.base.roles import Role
 from pdproxy.fake_vllm.announce import announce_message as fake_announce_message
 from pdproxy.fake_vllm.config import Geometry, WorkerConfig
@@ -81,7 +82,7 @@ def fake_config(max_model_len: int) -> WorkerConfig:
         role=Role.DECODE,
         http=Address("127.0.0.1", 8000),
         kv=Address("127.0.0.1", 8001),
-        proxy=Address("127.0.0.1", 30001),
+        proxy=Endpoint("127.0.0.1", 30001),
         announce="v1",
         announce_interval_s=1.0,
         model="m",

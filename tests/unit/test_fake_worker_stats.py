@@ -10,6 +10,7 @@ import pytest
 from hypothesis import given, settings
 from hypothesis import strategies as st
 
+from pdproxy.base.endpoints import Endpoint
 from pdproxy.base.roles import Role
 from pdproxy.fake_vllm.config import Geometry, WorkerConfig
 from pdproxy.fake_vllm.generation import Generation, Prompt
@@ -94,8 +95,8 @@ def test_each_rank_reports_its_share() -> None:
     assert [len(r.stats) for r in ranks] == [2, 2, 2]
 
 
-@pytest.mark.parametrize(("proxy", "announce"), [(None, "v1"), (Address("127.0.0.1", 1), "v0")])
-def test_no_reporting_without_a_v1_registry(proxy: Address | None, announce: Any) -> None:
+@pytest.mark.parametrize(("proxy", "announce"), [(None, "v1"), (Endpoint("127.0.0.1", 1), "v0")])
+def test_no_reporting_without_a_v1_registry(proxy: Endpoint | None, announce: Any) -> None:
     stats = KvStats.connect(replace(CONFIG, proxy=proxy, announce=announce))
     assert not stats.reporting  # stock vLLM (v0) reports nothing, nor does a worker on its own
     stats.stop()

@@ -120,3 +120,26 @@ def test_a_load_change_is_announced_within_a_second_not_a_period() -> None:
     finally:
         announcer.stop()
     assert client.sent[-1]["op"] == "leave"
+
+
+@pytest.mark.parametrize(
+    ("registry", "connected"),
+    [
+        ("tcp://127.0.0.1:30001", "tcp://127.0.0.1:30001"),
+        ("[::1]:30001", "tcp://[::1]:30001"),
+        ("tcp://[::1]:30001", "tcp://[::1]:30001"),
+    ],
+)
+def test_a_registry_address_takes_the_one_syntax(registry: str, connected: str) -> None:
+    # tcp:// optional, IPv6 in brackets: a registry address is not held to the request-id
+    # rules, which refuse IPv6 literals.
+    client = FanOutClient(registry, "id", BoundedResolver(lambda name: []))
+    try:
+        assert client.endpoints == (connected,)
+    finally:
+        client.close()
+
+
+def test_a_malformed_registry_address_says_the_syntax() -> None:
+    with pytest.raises(ValueError, match=r"expected \[tcp://\]HOST:PORT"):
+        FanOutClient("udp://127.0.0.1:30001", "id")
