@@ -77,7 +77,14 @@ def install_routes(
         orphans = {"orphans": list(verdict.orphans)} if verdict.orphans else {}
         if verdict.ready:
             return _json({"status": "ready", **orphans})
-        return _json({"status": "not_ready", "reason": verdict.reason, **orphans}, 503)
+        reason = verdict.reason
+        left_out = _left_out(state, out_of_rotation)
+        if left_out:
+            shown = left_out[:_LEFT_OUT_SHOWN]
+            more = len(left_out) - len(shown)
+            reason += " (taking no traffic: " + "; ".join(shown)
+            reason += f"; {more} more)" if more else ")"
+        return _json({"status": "not_ready", "reason": reason, **orphans}, 503)
 
     @api.get("/v1/instances/pairs")
     async def pairs() -> Response:
@@ -313,3 +320,28 @@ def _describe(entry: Registration, now: float, state: AppState) -> dict[str, Any
 
 def _fields(value: Any) -> dict[str, Any]:
     return {name: getattr(value, name) for name in value.__slots__}
+
+
+_LEFT_OUT_SHOWN = 8  # the reason stays one readable line however large the fleet
+
+
+def _left_out(state: AppState, out_of_rotation: frozenset[str]) -> list[str]:
+    """Registered instances that take no new legs, each with why: what /ready's reason
+    needs when "no decode instance" would otherwise hide that one is registered."""
+    reasons = []
+    for entry in state.table.registrations():
+        instance = entry.instance
+        if not instance.healthy:
+            why = "announced healthy: false"
+        elif not instance.ready:
+            why = "its pod is not Ready"
+        elif instance.pod_drained:
+            why = "its pod is annotated to drain"
+        elif instance.name in state.rotation.drained:
+            why = "drained by an operator"
+        elif instance.name in out_of_rotation:
+            why = "ejected after failures"
+        else:
+            continue
+        reasons.append(f"{instance.role} {instance.name} {why}")
+    return sorted(reasons)

@@ -351,7 +351,10 @@ def test_unreachable_server_is_listed_unhealthy_and_not_routed(
     # Routing treats it as absent.
     status, body = http_get(fleet.proxy_url + "/ready", timeout=5)
     assert status == 503
-    assert "no decode instance" in json.loads(body)["reason"]
+    reason = json.loads(body)["reason"]
+    assert reason.startswith("no decode instance"), reason
+    # And why, though it is registered.
+    assert f"(taking no traffic: decode {address} announced healthy: false)" in reason
     assert completion_error_code(fleet) == (503, "no_instance")
     # Unhealthy announcements keep refreshing it: a second later it was seen just now.
     went_unhealthy_at_age = item["age_seconds"]

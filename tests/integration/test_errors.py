@@ -157,6 +157,9 @@ def test_no_instance_in_rotation_is_503_with_retry_after(fleet: LocalFleet) -> N
         )
         assert error["code"] == "no_instance"
         assert answer.headers["retry-after"] == "7"
+        ready = request(fleet.proxy_url + "/ready", "GET")
+        assert ready.status == 503
+        assert f"decode {decode.http_address} drained by an operator" in ready.json()["reason"]
     finally:
         assert request(drain, "DELETE", None, admin).status == 200
 
