@@ -524,8 +524,12 @@ class Settings(BaseModel):
     )
     log_format: Literal["text", "json"] = Field(
         "text",
-        description="text: human-readable lines; json: one JSON object per line, and one "
-        "line per completion request (ids, chosen pair, leg timings, outcome).",
+        description="text: human-readable lines; json: one JSON object per line.",
+    )
+    access_log: bool = Field(
+        True,
+        description="One line per request on the pdproxy.access logger (ids, chosen pair, "
+        "leg timings, outcome): key=value pairs in text, fields of the JSON object in json.",
     )
 
     @property

@@ -52,9 +52,22 @@ class TextFormatter(logging.Formatter):
 
     def formatMessage(self, record: logging.LogRecord) -> str:
         line = super().formatMessage(record)
+        fields = getattr(record, FIELDS, None)
+        if isinstance(fields, dict):  # an access line: its fields as key=value, set ones only
+            line += "".join(
+                f" {key}={_text_value(value)}" for key, value in fields.items() if value is not None
+            )
         if line.isprintable():
             return line
         return "".join(c if c.isprintable() else repr(c)[1:-1] for c in line)
+
+
+def _text_value(value: Any) -> str:
+    text = str(value)
+    # Quoted when it would not read as one value (a client's id may hold anything).
+    if not text or any(c.isspace() or c in '="' for c in text):
+        return orjson.dumps(text).decode()
+    return text
 
 
 def _iso(created: float) -> str:

@@ -49,7 +49,7 @@ class CompletionsEndpoint:
         self._admission = admission
         self._metrics = metrics
         self._alarms = alarms
-        self._access_log = settings.log_format == "json"
+        self._access_log = settings.access_log
         self._max_values = max_values(settings.max_body_bytes)
         # Built in the lifespan, on the loop that serves: current_task(loop) is then a dict
         # lookup, where current_task() first looks the loop up (docs/performance.md, "Loop and

@@ -122,7 +122,7 @@ class PassThroughEndpoint:
         self._admission = admission
         self._metrics = metrics
         self._alarms = alarms
-        self._access_log = settings.log_format == "json"
+        self._access_log = settings.access_log
         self._retry = RetryPolicy(
             settings.max_attempts,
             settings.retry_backoff_base_seconds,

@@ -4,7 +4,10 @@ live `pdproxy serve` and fake workers."""
 from __future__ import annotations
 
 import json
+import time
 from typing import Any
+
+import pytest
 
 from pdproxy.demo.fleet import LocalFleet, WorkerSpec
 from pdproxy.demo.processes import wait_until
@@ -148,3 +151,30 @@ def test_a_failed_leg_is_an_error_span(fleet_factory: FleetFactory) -> None:
     assert spans["pdproxy.prefill"]["status"]["status_code"] == "ERROR"
     assert spans["pdproxy.request"]["status"]["status_code"] == "ERROR"
     assert "pdproxy.decode" not in spans  # no decode leg after a failed prefill
+
+
+def text_access_lines(fleet: LocalFleet) -> list[str]:
+    text = (fleet.log_dir / "pdproxy.log").read_text()
+    return [line for line in text.splitlines() if "pdproxy.access" in line]
+
+
+@pytest.mark.parametrize("turned_off", [False, True])
+def test_text_logs_have_one_access_line_per_request_unless_turned_off(
+    fleet_factory: FleetFactory, turned_off: bool
+) -> None:
+    proxy_args = ["--access-log", "false"] if turned_off else []
+    fleet = fleet_factory([WorkerSpec("P"), WorkerSpec("D")], proxy_args=proxy_args)
+    body = {"model": MODEL, "prompt": "count me", "max_tokens": 3}
+    assert post_json(fleet.proxy_url + "/v1/completions", body).status == 200
+    assert post_json(fleet.proxy_url + "/v1/completions", dict(body, model="x")).status == 404
+    if turned_off:
+        time.sleep(0.5)  # an access line would have been written by now
+        assert text_access_lines(fleet) == []
+        return
+    wait_until(lambda: len(text_access_lines(fleet)) >= 2, 10, "two access lines")
+    ok, refused = text_access_lines(fleet)
+    prefill, decode = fleet.role("P")[0], fleet.role("D")[0]
+    assert " request endpoint=/v1/completions status=200 " in ok
+    assert f"prefill={prefill.http_address} decode={decode.http_address}" in ok
+    assert ok.endswith(" outcome=ok")
+    assert "status=404" in refused and refused.endswith(" outcome=model_not_found")

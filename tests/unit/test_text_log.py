@@ -5,7 +5,7 @@ from __future__ import annotations
 import logging
 import sys
 
-from pdproxy.logs import TEXT_FORMAT, TextFormatter
+from pdproxy.logs import FIELDS, TEXT_FORMAT, TextFormatter
 
 
 def record(message: str, *args: object, exc: bool = False) -> logging.LogRecord:
@@ -35,3 +35,24 @@ def test_a_traceback_keeps_its_lines() -> None:
     text = TextFormatter("%(message)s").format(record("failed", exc=True))
     assert text.startswith("failed\nTraceback")
     assert "ValueError: boom" in text
+
+
+def access_record(fields: dict[str, object]) -> logging.LogRecord:
+    made = logging.LogRecord("pdproxy.access", logging.INFO, "f", 1, "request", (), None)
+    setattr(made, FIELDS, fields)
+    return made
+
+
+def test_an_access_line_carries_its_set_fields_as_key_value_pairs() -> None:
+    line = TextFormatter("%(message)s").format(
+        access_record({"endpoint": "/v1/completions", "status": 200, "prefill": None, "ok": True})
+    )
+    assert line == "request endpoint=/v1/completions status=200 ok=True"
+
+
+def test_a_client_value_cannot_pass_for_other_fields_or_lines() -> None:
+    line = TextFormatter("%(message)s").format(
+        access_record({"client_request_id": 'x outcome=ok\n"', "model": ""})
+    )
+    # Quoted (JSON string rules), so it reads as one value; no raw line break.
+    assert line == 'request client_request_id="x outcome=ok\\n\\"" model=""'
