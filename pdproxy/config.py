@@ -12,6 +12,7 @@ import difflib
 import importlib.util
 import json
 import os
+import typing
 from collections.abc import Mapping
 from dataclasses import fields as dataclass_fields
 from pathlib import Path
@@ -160,6 +161,26 @@ class StaticInstance(BaseModel):
         return parse_address(self.zmq)
 
 
+_MAX_SECRET_FILE_BYTES = 4096
+
+
+def _read_secret_file(path: Path) -> str:
+    try:
+        with path.open("rb") as file:
+            raw = file.read(_MAX_SECRET_FILE_BYTES + 1)
+    except OSError as exc:
+        raise ValueError(f"registry_secret_file {path}: {exc.strerror or exc}") from None
+    if len(raw) > _MAX_SECRET_FILE_BYTES:
+        raise ValueError(f"registry_secret_file {path}: larger than {_MAX_SECRET_FILE_BYTES} B")
+    secret = raw.decode("utf-8", "replace").strip()
+    if len(secret.encode()) < MIN_SECRET_BYTES:
+        raise ValueError(
+            f"registry_secret_file {path}: the secret must be at least {MIN_SECRET_BYTES} "
+            "characters"
+        )
+    return secret
+
+
 class Settings(BaseModel):
     model_config = ConfigDict(frozen=True, extra="forbid")
 
@@ -188,7 +209,11 @@ class Settings(BaseModel):
     registry_secret: SecretStr | None = Field(
         None,
         description="Shared secret (at least 16 characters) workers sign v1 registry messages "
-        "with (HMAC-SHA256); when set, unsigned or badly signed v1 messages are refused.",
+        "with (HMAC-SHA256); when set, unsigned or badly signed v1 messages are refused. As a "
+        "flag it is visible in `ps`: prefer registry_secret_file or the environment.",
+    )
+    registry_secret_file: Path | None = Field(
+        None, description="File holding the registry secret (surrounding whitespace ignored)."
     )
     registry_allow_unsigned_v0: bool = Field(
         False,
@@ -494,7 +519,8 @@ class Settings(BaseModel):
     api_key: list[SecretStr] = Field(
         default_factory=list,
         description="Client API key (repeatable; env: several separated by ';'); when any is "
-        "set, completion and model endpoints need `Authorization: Bearer KEY`.",
+        "set, completion and model endpoints need `Authorization: Bearer KEY`. As a flag it "
+        "is visible in `ps`: prefer api_key_file or the environment.",
     )
     api_key_file: Path | None = Field(
         None, description="File with client API keys, one per line (# comments allowed)."
@@ -506,7 +532,8 @@ class Settings(BaseModel):
     admin_token: SecretStr | None = Field(
         None,
         description="Bearer token for admin endpoints (registering, removing and draining "
-        "instances); without one they answer 403.",
+        "instances); without one they answer 403. As a flag it is visible in `ps`: prefer "
+        "admin_token_file or the environment.",
     )
     admin_token_file: Path | None = Field(
         None, description="File holding the admin token (its first line)."
@@ -536,7 +563,7 @@ class Settings(BaseModel):
     def unsigned_instance_cap(self) -> int | None:
         """How many instances unsigned v0 announcements may hold, apart from max_instances;
         None without a secret (nothing is signed then: one cap for all, as ever)."""
-        if self.registry_secret is None:
+        if self.registry_key is None:
             return None
         return self.registry_max_unsigned_instances or max(1, self.max_instances // 4)
 
@@ -570,6 +597,22 @@ class Settings(BaseModel):
             return [str(network) for network in parse_cidrs(value)]
         except AuthConfigError as exc:
             raise ValueError(f"{exc} (expected e.g. 10.0.0.0/8 or fd00::/8)") from None
+
+    @model_validator(mode="after")
+    def _secret_file_readable(self) -> Settings:
+        if self.registry_secret_file is not None:
+            if self.registry_secret is not None:
+                raise ValueError("give registry_secret or registry_secret_file, not both")
+            _read_secret_file(self.registry_secret_file)
+        return self
+
+    @property
+    def registry_key(self) -> SecretStr | None:
+        """The registry secret, given directly or in registry_secret_file (read at start-up
+        only: a few reads of a small file)."""
+        if self.registry_secret_file is None:
+            return self.registry_secret
+        return SecretStr(_read_secret_file(self.registry_secret_file))
 
     @field_validator("registry_secret", "admin_token", mode="before")
     @classmethod
@@ -738,12 +781,107 @@ def _is_list(name: str) -> bool:
     return name in _LIST_FIELDS
 
 
+# `serve --help` in sections; every setting in exactly one (settings_groups checks).
+SETTING_GROUPS: dict[str, tuple[str, ...]] = {
+    "HTTP": (
+        "host",
+        "port",
+        "workers",
+        "backlog",
+        "max_body_bytes",
+        "max_response_bytes",
+        "body_timeout",
+        "passthrough_role",
+        "passthrough_unknown_paths",
+    ),
+    "registry and discovery": (
+        "registry_bind",
+        "ttl",
+        "prefill",
+        "decode",
+        "max_instances",
+        "registry_max_message_bytes",
+        "discovery",
+        "kubernetes_namespace",
+        "kubernetes_prefill_selector",
+        "kubernetes_decode_selector",
+        "kubernetes_http_port_annotation",
+        "kubernetes_kv_port_annotation",
+        "kubernetes_connector_annotation",
+        "kubernetes_geometry_annotation",
+        "kubernetes_drain_annotation",
+        "peers_dns",
+    ),
+    "pairing": (
+        "prefill_policy",
+        "decode_policy",
+        "prefix_affinity_tokens",
+        "prefix_affinity_load_factor",
+        "decode_kv_capacity_tokens",
+        "allow_unknown_geometry",
+        "disagg_min_tokens",
+        "concurrent_decode_connectors",
+        "bootstrap_query_timeout",
+    ),
+    "timeouts, retries and limits": (
+        "connect_timeout",
+        "prefill_timeout",
+        "decode_first_byte_timeout",
+        "decode_timeout",
+        "stream_idle_timeout",
+        "request_timeout",
+        "retry_after_seconds",
+        "upstream_max_connections",
+        "max_attempts",
+        "retry_backoff_base_seconds",
+        "retry_backoff_max_seconds",
+        "outlier_consecutive_failures",
+        "outlier_base_ejection_seconds",
+        "outlier_max_ejection_seconds",
+        "outlier_max_ejection_percent",
+        "health_check_interval",
+        "health_check_timeout",
+        "max_inflight_requests",
+        "max_queued_requests",
+        "queue_timeout",
+        "instance_max_inflight",
+        "drain_seconds",
+    ),
+    "security": (
+        "api_key",
+        "api_key_file",
+        "open_paths",
+        "admin_token",
+        "admin_token_file",
+        "upstream_api_key",
+        "registry_secret",
+        "registry_secret_file",
+        "registry_allow_unsigned_v0",
+        "registry_max_unsigned_instances",
+        "registry_v0_cidrs",
+        "registry_address_cidrs",
+        "registry_max_skew_seconds",
+    ),
+    "observability": ("log_level", "log_format", "access_log", "otel_exporter"),
+}
+
+
 def add_settings_arguments(parser: argparse.ArgumentParser) -> None:
-    """One flag per Settings field; defaults are suppressed so unset flags don't override."""
+    """One flag per Settings field, in sections; defaults are suppressed so unset flags don't
+    override; a field whose values are a fixed set lists them."""
     parser.add_argument(
         "--config", metavar="FILE", default=None, help="YAML file with any of the settings below."
     )
-    for name, field in Settings.model_fields.items():
+    grouped = [name for names in SETTING_GROUPS.values() for name in names]
+    if sorted(grouped) != sorted(Settings.model_fields):
+        raise RuntimeError("SETTING_GROUPS must name every setting exactly once")
+    for title, names in SETTING_GROUPS.items():
+        _add_group(parser.add_argument_group(f"{title} settings"), names)
+
+
+def _add_group(parser: argparse._ArgumentGroup, names: tuple[str, ...]) -> None:
+    for name in names:
+        field = Settings.model_fields[name]
         default = field.get_default(call_default_factory=True)
         shown = "" if isinstance(default, list) or default is None else f" (default: {default})"
         help_text = f"{field.description}{shown} [env {ENV_PREFIX}{name.upper()}]"
@@ -759,14 +897,24 @@ def add_settings_arguments(parser: argparse.ArgumentParser) -> None:
                 help=help_text.replace("%", "%%"),
             )
             continue
+        choices = _choices(field.annotation)
+        metavar = name.upper() if not _is_list(name) else _LIST_METAVARS.get(name, "SPEC")
         parser.add_argument(
             _flag(name),
             dest=name,
             action="append" if _is_list(name) else "store",
             default=argparse.SUPPRESS,
-            metavar=name.upper() if not _is_list(name) else _LIST_METAVARS.get(name, "SPEC"),
+            choices=choices,
+            metavar="{" + ",".join(choices) + "}" if choices else metavar,
             help=help_text.replace("%", "%%"),
         )
+
+
+def _choices(annotation: Any) -> list[str] | None:
+    """The values of a Literal field (its optional form too), as flag choices."""
+    if typing.get_origin(annotation) is typing.Literal:
+        return [str(value) for value in typing.get_args(annotation)]
+    return None
 
 
 def _from_env(environ: Mapping[str, str]) -> dict[str, Any]:

@@ -399,7 +399,7 @@ def _peer_address(frame: zmq.Frame) -> str | None:
 
 
 def gate_from_settings(settings: Settings) -> RegistryGate:
-    secret = settings.registry_secret
+    secret = settings.registry_key
     verifier = (
         None
         if secret is None
@@ -415,7 +415,7 @@ def gate_from_settings(settings: Settings) -> RegistryGate:
 
 def _auth_summary(settings: Settings) -> str:
     """What the registry admits, for the startup log line (never the secret itself)."""
-    if settings.registry_secret is None:
+    if settings.registry_key is None:
         parts = ["unauthenticated"]
     else:
         v0 = (

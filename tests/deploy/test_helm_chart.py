@@ -61,7 +61,14 @@ DEFAULT_VALUES: dict[str, Any] = yaml.safe_load((CHART / "values.yaml").read_tex
 # settings that hold secrets, which come from Secrets (env or mounted files), never a ConfigMap.
 SECRET_FILE_SETTINGS = {"api_key_file": "clientApiKeys", "admin_token_file": "adminToken"}
 CHART_OWNED = {"host", "port", "registry_bind", *SECRET_FILE_SETTINGS}
-FROM_SECRET = {"upstream_api_key", "registry_secret", "api_key", "admin_token"}
+# registry_secret_file: the chart hands the registry secret over from its Secret directly.
+FROM_SECRET = {
+    "upstream_api_key",
+    "registry_secret",
+    "registry_secret_file",
+    "api_key",
+    "admin_token",
+}
 # Objects with no schema in kubernetes-validate (a CRD); checked field by field below instead.
 CUSTOM_KINDS = {("monitoring.coreos.com/v1", "ServiceMonitor")}
 OLDEST_KUBERNETES = "1.25"  # Chart.yaml's kubeVersion

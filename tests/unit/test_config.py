@@ -64,6 +64,8 @@ def value(settings: Settings, name: str) -> Any:
     return item.get_secret_value() if isinstance(item, SecretStr) else item
 
 
+SECRET_SAMPLE = Path(__file__).with_name("registry-secret.sample")
+
 # One (command-line text, parsed value) per Settings field. A new field without an entry here
 # fails test_every_field_is_covered, so nothing is configurable in one place only.
 SAMPLES: dict[str, tuple[str, Any]] = {
@@ -76,6 +78,7 @@ SAMPLES: dict[str, tuple[str, Any]] = {
     "max_instances": ("7", 7),
     "registry_max_message_bytes": ("1024", 1024),
     "registry_secret": ("0123456789abcdef-test", "0123456789abcdef-test"),
+    "registry_secret_file": (str(SECRET_SAMPLE), SECRET_SAMPLE),
     "registry_allow_unsigned_v0": ("true", True),
     "registry_max_unsigned_instances": ("3", 3),
     "registry_v0_cidrs": ("10.1.0.0/16", ["10.1.0.0/16"]),
@@ -106,6 +109,7 @@ SAMPLES: dict[str, tuple[str, Any]] = {
     "backlog": ("512", 512),
     "log_level": ("debug", "debug"),
     "log_format": ("json", "json"),
+    "access_log": ("false", False),
     "otel_exporter": ("console", "console"),
     "prefill_policy": ("power_of_two", "power_of_two"),
     "decode_policy": ("least_loaded", "least_loaded"),
@@ -245,9 +249,17 @@ def test_a_bare_boolean_flag_means_true() -> None:
     ("flag", "name"),
     [("--prefill-policy", "least_kv"), ("--decode-policy", "prefix_affinity")],
 )
-def test_a_policy_for_the_other_role_is_refused(flag: str, name: str) -> None:
-    with pytest.raises(ConfigError, match=flag[2:].replace("-", "_")):
+def test_a_policy_for_the_other_role_is_refused(
+    flag: str, name: str, capsys: pytest.CaptureFixture[str]
+) -> None:
+    # As a flag, by the parser with the role's choices; from anywhere else, by the settings.
+    with pytest.raises(SystemExit) as refused:
         load([flag, name])
+    assert refused.value.code == 2
+    assert f"invalid choice: {name!r}" in capsys.readouterr().err
+    setting = flag[2:].replace("-", "_")
+    with pytest.raises(ConfigError, match=rf"{setting} \(environment {ENV_PREFIX}"):
+        load(environ={env_of(setting): name})
 
 
 def test_unset_flags_do_not_appear_in_the_namespace() -> None:
@@ -489,7 +501,6 @@ def config_error(argv: Sequence[str] = (), environ: dict[str, str] | None = None
         (["--connect-timeout", "0"], "connect_timeout"),
         (["--retry-after-seconds", "0"], "retry_after_seconds"),
         (["--upstream-max-connections", "0"], "upstream_max_connections"),
-        (["--log-level", "verbose"], "log_level"),
     ],
 )
 def test_invalid_flag_values(argv: list[str], field: str) -> None:
@@ -788,3 +799,43 @@ def test_a_static_instance_given_twice_is_an_error() -> None:
         load(["--prefill", P1, "--prefill", P1.replace("21001", "21009")])
     with pytest.raises(ConfigError, match=r"given twice \(as prefill and as decode\)"):
         load(["--prefill", P1, "--decode", P1.replace("21001", "22009")])
+
+
+def test_the_registry_secret_may_come_from_a_file(tmp_path: Path) -> None:
+    settings = load(["--registry-secret-file", str(SECRET_SAMPLE)])
+    assert settings.registry_secret is None  # the flag's own value: never given
+    key = settings.registry_key
+    assert key is not None and key.get_secret_value() == "0123456789abcdef-from-a-file"
+    assert settings.unsigned_instance_cap == 1024  # signed now, as with the flag
+    with pytest.raises(ConfigError, match="registry_secret or registry_secret_file, not both"):
+        load(["--registry-secret-file", str(SECRET_SAMPLE), "--registry-secret", "x" * 16])
+    with pytest.raises(ConfigError, match="No such file"):
+        load(["--registry-secret-file", str(tmp_path / "missing")])
+    short = tmp_path / "short"
+    short.write_text("too short\n", encoding="utf-8")
+    with pytest.raises(ConfigError, match="at least 16 characters"):
+        load(["--registry-secret-file", str(short)])
+
+
+def test_serve_help_is_in_sections_with_choices(
+    capsys: pytest.CaptureFixture[str], monkeypatch: pytest.MonkeyPatch
+) -> None:
+    monkeypatch.setenv("COLUMNS", "200")
+    with pytest.raises(SystemExit):
+        build_parser().parse_args(["serve", "--help"])
+    out = capsys.readouterr().out
+    titles = [line for line in out.splitlines() if line.endswith(" settings:")]
+    assert titles == [
+        "HTTP settings:",
+        "registry and discovery settings:",
+        "pairing settings:",
+        "timeouts, retries and limits settings:",
+        "security settings:",
+        "observability settings:",
+    ]
+    assert "--log-level {debug,info,warning,error}" in out
+    assert "--discovery {registry,kubernetes}" in out
+    with pytest.raises(SystemExit) as refused:
+        build_parser().parse_args(["serve", "--log-level", "loud"])
+    assert refused.value.code == 2
+    assert "invalid choice: 'loud'" in capsys.readouterr().err
