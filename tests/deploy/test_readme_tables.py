@@ -1,6 +1,7 @@
-"""README.md's reference tables (tools/readme_tables.py): in sync with the chart's schema and
-values.yaml and with the Metrics registry, and covering every value and every metric, so a
-value or metric added without regenerating the README fails here."""
+"""The documentation's generated reference tables (tools/readme_tables.py): the chart values in
+helm/pdproxy/README.md and the metrics in docs/reference/metrics.md, in sync with the chart's
+schema and values.yaml and with the Metrics registry, and covering every value and every metric,
+so a value or metric added without regenerating the tables fails here."""
 
 from __future__ import annotations
 
@@ -21,7 +22,8 @@ from pdproxy.metrics import Metrics
 from tests.deploy.support import CHART, REPO
 from tools import readme_tables
 
-README = REPO / "README.md"
+VALUES_DOC = CHART / "README.md"
+METRICS_DOC = REPO / "docs" / "reference" / "metrics.md"
 SCRIPT = REPO / "tools" / "readme_tables.py"
 SCHEMA: dict[str, Any] = json.loads((CHART / "values.schema.json").read_text(encoding="utf-8"))
 VALUES_TEXT = (CHART / "values.yaml").read_text(encoding="utf-8")
@@ -42,7 +44,7 @@ def run_script(*args: str) -> subprocess.CompletedProcess[str]:
 
 def block(text: str, name: str) -> str:
     begin, end = f"<!-- {name}:begin -->", f"<!-- {name}:end -->"
-    assert text.count(begin) == 1 and text.count(end) == 1, f"README.md lacks the {name} markers"
+    assert text.count(begin) == 1 and text.count(end) == 1, f"the document lacks the {name} markers"
     return text.partition(begin)[2].partition(end)[0]
 
 
@@ -110,18 +112,28 @@ def metric_collectors(metrics: Metrics) -> dict[str, MetricWrapperBase]:
 
 
 LEAVES = declared_leaves(SCHEMA)
-README_TEXT = README.read_text(encoding="utf-8")
-VALUE_ROWS = {first_code(row[0]): row for row in rows(block(README_TEXT, "values-reference"))}
-METRIC_ROWS = {first_code(row[0]): row for row in rows(block(README_TEXT, "metrics-reference"))}
+VALUES_TEXT_DOC = VALUES_DOC.read_text(encoding="utf-8")
+METRICS_TEXT_DOC = METRICS_DOC.read_text(encoding="utf-8")
+VALUE_ROWS = {first_code(row[0]): row for row in rows(block(VALUES_TEXT_DOC, "values-reference"))}
+METRIC_ROWS = {
+    first_code(row[0]): row for row in rows(block(METRICS_TEXT_DOC, "metrics-reference"))
+}
 
 
-# ---- the README is up to date ----------------------------------------------------------------
+def test_the_tool_writes_where_the_tables_are() -> None:
+    assert readme_tables.TARGETS == {
+        readme_tables.VALUES_BLOCK: VALUES_DOC,
+        readme_tables.METRICS_BLOCK: METRICS_DOC,
+    }
 
 
-def test_readme_tables_are_up_to_date() -> None:
+# ---- the documents are up to date --------------------------------------------------------------
+
+
+def test_reference_tables_are_up_to_date() -> None:
     result = run_script("--check")
     assert result.returncode == 0, (
-        "README.md's reference tables are stale; run `python tools/readme_tables.py --write`:\n"
+        "the reference tables are stale; run `python tools/readme_tables.py --write`:\n"
         + result.stdout
         + result.stderr
     )
@@ -130,7 +142,7 @@ def test_readme_tables_are_up_to_date() -> None:
 def test_every_schema_value_has_a_row() -> None:
     assert LEAVES, "the walk found no values"
     missing = sorted(LEAVES - set(VALUE_ROWS))
-    assert not missing, f"values without a README row: {missing}"
+    assert not missing, f"values without a row in the chart's README: {missing}"
     leaf_rows = {path for path, row in VALUE_ROWS.items() if not row[0].startswith("**")}
     assert leaf_rows == LEAVES, f"rows for undeclared values: {sorted(leaf_rows - LEAVES)}"
 
@@ -164,7 +176,7 @@ def test_every_metric_has_a_row() -> None:
     for family in families:
         name = family.name + ("_total" if family.type == "counter" else "")
         exported.add(name)
-        assert name in METRIC_ROWS, f"metric {name} has no README row"
+        assert name in METRIC_ROWS, f"metric {name} has no row in docs/reference/metrics.md"
         row = METRIC_ROWS[name]
         assert row[1].split(" ")[0] == family.type, row
         labels = set(re.findall(r"`([^`]+)`", row[2]))
@@ -188,8 +200,8 @@ def test_a_new_value_needs_a_row() -> None:
         "| `fleet.prefill.newKnob` | integer ≥ 2 | unset | A knob added after the README was "
         "written. |" in body
     )
-    regenerated = readme_tables.updated(README_TEXT, {readme_tables.VALUES_BLOCK: body})
-    assert regenerated != README_TEXT
+    regenerated = readme_tables.updated(VALUES_TEXT_DOC, {readme_tables.VALUES_BLOCK: body})
+    assert regenerated != VALUES_TEXT_DOC
 
 
 def test_a_new_metric_needs_a_row() -> None:
@@ -202,44 +214,57 @@ def test_a_new_metric_needs_a_row() -> None:
 
     body = readme_tables.metrics_block(MoreMetrics())
     assert "| `pdproxy_new_things_total` | counter | `kind` | Things counted later. | no |" in body
-    assert readme_tables.updated(README_TEXT, {readme_tables.METRICS_BLOCK: body}) != README_TEXT
+    regenerated = readme_tables.updated(METRICS_TEXT_DOC, {readme_tables.METRICS_BLOCK: body})
+    assert regenerated != METRICS_TEXT_DOC
 
 
-def test_check_reports_a_stale_readme_and_write_fixes_it(tmp_path: Path) -> None:
-    stale = tmp_path / "README.md"
-    lines = README_TEXT.splitlines(keepends=True)
-    dropped = [
-        line
-        for line in lines
-        if line.startswith(("| `config.ttl` ", "| `pdproxy_requests_total` "))
-    ]
-    assert len(dropped) == 2
-    stale.write_text("".join(line for line in lines if line not in dropped), encoding="utf-8")
+def test_check_reports_stale_documents_and_write_fixes_them(tmp_path: Path) -> None:
+    originals = {"values": VALUES_TEXT_DOC, "metrics": METRICS_TEXT_DOC}
+    row = {"values": "| `config.ttl` ", "metrics": "| `pdproxy_requests_total` "}
+    docs = {kind: tmp_path / f"{kind}.md" for kind in originals}
+    for kind, text in originals.items():
+        lines = text.splitlines(keepends=True)
+        dropped = [line for line in lines if line.startswith(row[kind])]
+        assert len(dropped) == 1, kind
+        docs[kind].write_text("".join(line for line in lines if line not in dropped), "utf-8")
+    paths = ("--values-doc", str(docs["values"]), "--metrics-doc", str(docs["metrics"]))
 
-    checked = run_script("--check", "--readme", str(stale))
+    checked = run_script("--check", *paths)
     assert checked.returncode == 1
     assert "+| `config.ttl` " in checked.stdout
     assert "+| `pdproxy_requests_total` " in checked.stdout
     assert "--write" in checked.stdout
 
-    assert run_script("--write", "--readme", str(stale)).returncode == 0
-    assert run_script("--check", "--readme", str(stale)).returncode == 0
-    # Only the marked blocks are touched: the rest of the file is exactly as it was.
-    assert stale.read_text(encoding="utf-8") == readme_tables.updated(README_TEXT)
+    assert run_script("--write", *paths).returncode == 0
+    assert run_script("--check", *paths).returncode == 0
+    # Only the marked blocks are touched: the rest of each file is exactly as it was.
+    generated = readme_tables.blocks()
+    assert docs["values"].read_text(encoding="utf-8") == readme_tables.updated(
+        VALUES_TEXT_DOC, {readme_tables.VALUES_BLOCK: generated[readme_tables.VALUES_BLOCK]}
+    )
+    assert docs["metrics"].read_text(encoding="utf-8") == readme_tables.updated(
+        METRICS_TEXT_DOC, {readme_tables.METRICS_BLOCK: generated[readme_tables.METRICS_BLOCK]}
+    )
 
 
 @pytest.mark.parametrize("markers", ["none", "twice", "reversed"])
 def test_missing_or_broken_markers_are_an_error(tmp_path: Path, markers: str) -> None:
     begin, end = "<!-- values-reference:begin -->", "<!-- values-reference:end -->"
-    inner = block(README_TEXT, "values-reference")
+    inner = block(VALUES_TEXT_DOC, "values-reference")
     text = {
-        "none": README_TEXT.replace(f"{begin}{inner}{end}", ""),
-        "twice": README_TEXT + f"\n{begin}\n{end}\n",
-        "reversed": README_TEXT.replace(f"{begin}{inner}{end}", f"{end}{inner}{begin}"),
+        "none": VALUES_TEXT_DOC.replace(f"{begin}{inner}{end}", ""),
+        "twice": VALUES_TEXT_DOC + f"\n{begin}\n{end}\n",
+        "reversed": VALUES_TEXT_DOC.replace(f"{begin}{inner}{end}", f"{end}{inner}{begin}"),
     }[markers]
     broken = tmp_path / "README.md"
     broken.write_text(text, encoding="utf-8")
-    result = run_script("--check", "--readme", str(broken))
+    result = run_script("--check", "--values-doc", str(broken))
     assert result.returncode == 2
     assert "values-reference" in result.stderr
     assert broken.read_text(encoding="utf-8") == text
+
+
+def test_the_front_page_holds_no_generated_table() -> None:
+    front = (REPO / "README.md").read_text(encoding="utf-8")
+    for name in (readme_tables.VALUES_BLOCK, readme_tables.METRICS_BLOCK):
+        assert f"<!-- {name}:" not in front, name

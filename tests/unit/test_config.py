@@ -713,7 +713,7 @@ def test_bad_static_connector_or_geometry(extra: str) -> None:
 
 
 def test_static_syntax_names_every_key() -> None:
-    """The help text (and the README table made from it) lists every key a spec accepts."""
+    """The help text (and the chart values table made from it) lists every key a spec accepts."""
     description = Settings.model_fields["prefill"].description or ""
     for key in ("model", "max_model_len", "connector", *GEOMETRY_FIELDS):
         assert f"{key}" in description, key
