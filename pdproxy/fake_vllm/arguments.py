@@ -174,7 +174,7 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
     )
     add("--head-dim", type=positive_int, default=32, help="head dimension (default: %(default)s)")
     add("--kv-dtype", default="float16", help="KV cache dtype (default: %(default)s)")
-    add("--is-mla", action="store_true", help="announce an MLA (latent) KV cache")
+    add("--mla", action="store_true", help="announce an MLA (latent) KV cache")
     add(
         "--kv-layout",
         choices=("NHD", "HND"),
@@ -209,7 +209,7 @@ def config_from_args(args: argparse.Namespace) -> WorkerConfig:
             num_kv_heads=args.num_kv_heads,
             head_dim=args.head_dim,
             kv_dtype=args.kv_dtype,
-            is_mla=args.is_mla,
+            is_mla=args.mla,
             kv_layout=args.kv_layout,
         ),
         registry_secret=None if secret_file is None else read_secret_file(secret_file),

@@ -123,7 +123,9 @@ def add_cli(commands: Any) -> None:
         description="Announce one vLLM server to a pdproxy registry (v1: model, connector, "
         "geometry, load scraped from its /metrics) until SIGTERM, then send 'leave'.",
     )
-    parser.add_argument("--role", choices=WIRE_LETTERS, required=True)
+    parser.add_argument(
+        "--role", choices=WIRE_LETTERS, required=True, help="prefill (P) or decode (D)"
+    )
     parser.add_argument("--http-address", required=True, help="the server's HOST:PORT")
     parser.add_argument(
         "--zmq-address", required=True, help="the KV endpoint of TP rank 0, HOST:PORT"
@@ -135,8 +137,13 @@ def add_cli(commands: Any) -> None:
         "addresses (a headless Service) gets the announcements at each, looked up again every "
         "period",
     )
-    parser.add_argument("--model", help="the served model name")
-    parser.add_argument("--connector", choices=CONNECTOR_KINDS, default="p2p_nccl")
+    parser.add_argument("--model", help="the served model name (default: what its /v1/models says)")
+    parser.add_argument(
+        "--connector",
+        choices=CONNECTOR_KINDS,
+        default="p2p_nccl",
+        help="the server's KV connector (default: %(default)s)",
+    )
     coordinates = parser.add_argument_group(
         "where a prefill's connector is reached (mooncake: --bootstrap; nixl_push: --engine-id "
         "and --side-channel)"
@@ -148,30 +155,60 @@ def add_cli(commands: Any) -> None:
     coordinates.add_argument(
         "--side-channel", help="nixl_push: the prefill's NIXL side channel, HOST:PORT"
     )
-    parser.add_argument("--model-config", type=Path, help="the model's config.json")
-    parser.add_argument("--tp-size", type=_positive_int)
-    parser.add_argument("--block-size", type=_positive_int)
-    parser.add_argument("--num-layers", type=_positive_int)
-    parser.add_argument("--num-kv-heads", type=_positive_int, help="total over all ranks")
-    parser.add_argument("--head-dim", type=_positive_int)
-    parser.add_argument("--kv-dtype")
-    parser.add_argument("--kv-layout", choices=["NHD", "HND"])
-    parser.add_argument("--mla", action="store_true", default=None)
+    geometry = parser.add_argument_group(
+        "KV geometry (pairing needs it: --model-config gives the model's part, the flags the "
+        "rest, and a flag overrides the file)"
+    )
+    geometry.add_argument(
+        "--model-config", type=Path, help="the model's config.json (layers, KV heads, head_dim)"
+    )
+    geometry.add_argument("--tp-size", type=_positive_int, help="vLLM's tensor parallel size")
+    geometry.add_argument("--block-size", type=_positive_int, help="vLLM's --block-size")
+    geometry.add_argument("--num-layers", type=_positive_int, help="attention layers")
+    geometry.add_argument(
+        "--num-kv-heads", type=_positive_int, help="KV heads, total over all ranks"
+    )
+    geometry.add_argument("--head-dim", type=_positive_int, help="size of one attention head")
+    geometry.add_argument("--kv-dtype", help="the KV cache's dtype, e.g. bfloat16 or fp8")
+    geometry.add_argument(
+        "--kv-layout", choices=["NHD", "HND"], help="the KV cache's memory layout"
+    )
+    geometry.add_argument(
+        "--mla", action="store_true", default=None, help="an MLA (latent) KV cache"
+    )
     parser.add_argument(
         "--max-model-len",
         type=_positive_int,
         help="the server's context length (default: what its /v1/models says)",
     )
-    parser.add_argument("--metrics-url", help="default: http://HTTP_ADDRESS/metrics")
-    parser.add_argument("--interval", type=_positive_float, default=DEFAULT_INTERVAL_S)
-    parser.add_argument("--scrape-timeout", type=_positive_float, default=2.0)
+    parser.add_argument(
+        "--metrics-url",
+        help="where the load is scraped from (default: http://HTTP_ADDRESS/metrics)",
+    )
+    parser.add_argument(
+        "--interval",
+        type=_positive_float,
+        default=DEFAULT_INTERVAL_S,
+        help="seconds between announcements (default: %(default)s)",
+    )
+    parser.add_argument(
+        "--scrape-timeout",
+        type=_positive_float,
+        default=2.0,
+        help="seconds one scrape of the server may take (default: %(default)s)",
+    )
     parser.add_argument(
         "--registry-secret-file",
         type=Path,
         help="file holding the registry secret to sign messages with (or set "
         f"{SECRET_ENV}); never passed as a flag value, which `ps` would show",
     )
-    parser.add_argument("--log-level", default="info")
+    parser.add_argument(
+        "--log-level",
+        choices=["debug", "info", "warning", "error"],
+        default="info",
+        help="(default: %(default)s)",
+    )
     parser.set_defaults(func=run)
 
 
