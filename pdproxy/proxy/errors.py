@@ -59,6 +59,17 @@ def error_body(
     )
 
 
+class VllmBadRequest(ProxyError):
+    """A 400 for a request vLLM itself would refuse, worded in vLLM's own error shape (its
+    ErrorResponse for a validation error)."""
+
+    def __init__(self, message: str, param: str | None = None) -> None:
+        super().__init__(400, message, code="invalid_request", param=param)
+
+    def body(self) -> bytes:
+        return vllm_bad_request(self.message, self.param)
+
+
 def vllm_bad_request(message: str, param: str | None = None) -> bytes:
     """A 400 as vLLM itself writes it (its ErrorResponse for a validation error), for a
     refusal pdproxy makes on the instance's behalf: the client cannot tell the two apart."""
