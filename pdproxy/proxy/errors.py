@@ -60,14 +60,24 @@ def error_body(
 
 
 class VllmBadRequest(ProxyError):
-    """A 400 for a request vLLM itself would refuse, worded in vLLM's own error shape (its
-    ErrorResponse for a validation error)."""
+    """A 400 for a body vLLM itself would refuse as invalid, in the shape of vLLM 0.32's
+    validation errors (serve/exception_handling/handlers/validation.py: type "Bad Request",
+    param the field's path from the body, "body.token_ids"); the message is pdproxy's."""
 
-    def __init__(self, message: str, param: str | None = None) -> None:
-        super().__init__(400, message, code="invalid_request", param=param)
+    def __init__(self, message: str, field: str) -> None:
+        super().__init__(400, message, code="invalid_request", param=f"body.{field}")
 
     def body(self) -> bytes:
-        return vllm_bad_request(self.message, self.param)
+        return orjson.dumps(
+            {
+                "error": {
+                    "message": self.message,
+                    "type": "Bad Request",
+                    "param": self.param,
+                    "code": 400,
+                }
+            }
+        )
 
 
 def vllm_bad_request(message: str, param: str | None = None) -> bytes:

@@ -209,7 +209,8 @@ def _check_generate(payload: dict[str, Any]) -> None:
         raise VllmBadRequest("'token_ids' is required: a non-empty list of token ids", "token_ids")
     if not isinstance(ids, list) or not ids:
         raise VllmBadRequest(
-            f"'token_ids' must be a non-empty list of token ids, got {_json_kind(ids)}",
+            f"'token_ids' must be a non-empty list of token ids, got "
+            f"{_json_kind(ids) if ids else 'an empty one'}",
             "token_ids",
         )
     for token in ids:
@@ -274,7 +275,7 @@ def _json_kind(value: object) -> str:
     if isinstance(value, dict):
         return "an object"
     if isinstance(value, list):
-        return "an array" if value else "an empty array"
+        return "an array"
     if isinstance(value, str):
         return "a string"
     if value is None:
