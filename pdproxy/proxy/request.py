@@ -56,6 +56,9 @@ class CompletionRequest:
     payload: dict[str, Any]
     model: str
     stream: bool
+    # vLLM's token-in/token-out generate (its limits sit in `sampling_params`): judged once,
+    # one comparison per request, read as an attribute by every step that differs.
+    generate: bool
 
     # Why a hand-written __init__ (not frozen): docs/performance.md, "Dataclass constructors".
     def __init__(
@@ -66,15 +69,11 @@ class CompletionRequest:
         self.payload = payload
         self.model = model
         self.stream = stream
+        self.generate = path == GENERATE_PATH
 
     @property
     def chat(self) -> bool:
         return self.path.endswith("/chat/completions")
-
-    @property
-    def generate(self) -> bool:
-        """vLLM's token-in/token-out generate: the limits sit in `sampling_params`."""
-        return self.path == GENERATE_PATH
 
     def prefill_body(self, kv_transfer_params: dict[str, Any] | None = None) -> bytes:
         """The client's request made into a prefill leg: one token, no stream."""
@@ -192,12 +191,13 @@ def parse_completion(
             param=f"{XARGS_FIELD}.{PARAMS_FIELD}",
             code="invalid_request",
         )
-    if path == GENERATE_PATH:
-        _check_generate(payload)
     stream = payload.get("stream", False)
     if stream is not None and not isinstance(stream, bool):
         raise ProxyError(400, "'stream' must be a boolean", param="stream", code="invalid_type")
-    return CompletionRequest(path, body, payload, model, bool(stream))
+    request = CompletionRequest(path, body, payload, model, bool(stream))
+    if request.generate:
+        _check_generate(payload)
+    return request
 
 
 def _check_generate(payload: dict[str, Any]) -> None:
