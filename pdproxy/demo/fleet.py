@@ -24,7 +24,8 @@ from pdproxy.demo.processes import (
 # static: configured on the proxy's command line; none: neither (Kubernetes discovery finds it).
 Announce = Literal["v0", "v1", "static", "none"]
 START_TIMEOUT = 30.0
-COMPLETION_PATHS = ("/v1/completions", "/v1/chat/completions")
+# The disaggregated paths (pdproxy.proxy.front's), whose legs the workers record.
+COMPLETION_PATHS = ("/v1/completions", "/v1/chat/completions", "/inference/v1/generate")
 
 
 @dataclass(frozen=True)

@@ -22,3 +22,11 @@ def generated_words(prompt_text: str, count: int) -> list[str]:
         digest = hashlib.sha256(f"{prompt_text}{i}".encode()).digest()
         words.append(VOCABULARY[int.from_bytes(digest[:8], "big") % len(VOCABULARY)])
     return words
+
+
+_IDS = {word: index for index, word in enumerate(VOCABULARY)}
+
+
+def generated_token_ids(prompt_text: str, count: int) -> list[int]:
+    """The same "tokens" as ids (their place in VOCABULARY), for the token-in/token-out API."""
+    return [_IDS[word] for word in generated_words(prompt_text, count)]

@@ -1,4 +1,5 @@
-"""A completion or chat request, validated the way vLLM validates it."""
+"""A completion, chat or token-in/token-out generate request, validated the way vLLM
+validates it."""
 
 from __future__ import annotations
 
@@ -8,6 +9,7 @@ from typing import Any
 from pdproxy.fake_vllm.http_json import ApiError
 
 DEFAULT_MAX_TOKENS = 16
+GENERATE_PATH = "/inference/v1/generate"  # vLLM's token-in/token-out endpoint
 
 
 @dataclass(frozen=True, slots=True)
@@ -18,17 +20,23 @@ class Prompt:
 
 @dataclass(frozen=True, slots=True)
 class Generation:
-    """A validated completion or chat request."""
+    """A validated completion, chat or generate (`tokens`) request."""
 
     chat: bool
     prompts: tuple[Prompt, ...]
     max_tokens: int
     stream: bool
     include_usage: bool
+    tokens: bool = False  # /inference/v1/generate: token ids in, token ids out
 
     @property
     def prompt_tokens(self) -> int:
         return sum(p.tokens for p in self.prompts)
+
+    @property
+    def unindexed(self) -> bool:
+        """Whether vLLM's engine id has no prompt index (chat and generate: one prompt)."""
+        return self.chat or self.tokens
 
 
 def text_prompt(text: str) -> Prompt:
@@ -182,6 +190,31 @@ def parse_generation(body: dict[str, Any], chat: bool, max_model_len: int) -> Ge
         max_tokens = DEFAULT_MAX_TOKENS
     max_tokens = fit_context(prompts, max_tokens, max_model_len)
     return Generation(chat, prompts, max_tokens, stream, include_usage)
+
+
+def parse_token_generation(body: dict[str, Any], max_model_len: int) -> Generation:
+    """vLLM 0.32's GenerateRequest (entrypoints/scale_out/token_in_token_out/protocol.py):
+    token_ids (non-empty, non-negative) and a sampling_params object are required; the
+    output limit is sampling_params.max_tokens (here 16 when unset; vLLM: the context left)."""
+    ids = body.get("token_ids")
+    if ids is None:
+        raise ApiError(400, "Field required: token_ids", "token_ids")
+    if not isinstance(ids, list) or not ids:
+        raise ApiError(400, "token_ids must be a non-empty list of integers", "token_ids")
+    prompt = token_prompt(ids)
+    if any(i < 0 for i in ids):
+        raise ApiError(400, "token_ids must not contain negative values", "token_ids")
+    sampling = body.get("sampling_params")
+    if sampling is None:
+        raise ApiError(400, "Field required: sampling_params", "sampling_params")
+    if not isinstance(sampling, dict):
+        raise ApiError(400, "sampling_params must be an object", "sampling_params")
+    max_tokens = parse_max_tokens(sampling, "max_tokens")
+    check_sampling(sampling)
+    stream, include_usage = parse_stream(body)
+    check_output_limit(max_tokens, "max_tokens", max_model_len)
+    limit = fit_context((prompt,), max_tokens or DEFAULT_MAX_TOKENS, max_model_len)
+    return Generation(False, (prompt,), limit, stream, include_usage, tokens=True)
 
 
 def check_model(body: dict[str, Any], served: str) -> None:

@@ -64,12 +64,12 @@ class KvHandoff:
     ) -> None:
         if self.cfg.role is Role.PREFILL:
             await sleep(self.cfg.prefill_latency_s)
-            decode = self.push.decode_address(header_id, generation.chat)
+            decode = self.push.decode_address(header_id, generation.unindexed)
             if header_id is not None and decode is not None:
                 told = told_decode_tp(params) if self.cfg.connector == "pdproxy" else None
                 await self.push.push(header_id, decode, generation, told)
             return
-        tagged = self.push.prefill_address(header_id, generation.chat)
+        tagged = self.push.prefill_address(header_id, generation.unindexed)
         if header_id is not None and tagged is not None:
             await self.push.await_kv(header_id, *tagged, generation)
         else:

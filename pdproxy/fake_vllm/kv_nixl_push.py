@@ -98,7 +98,7 @@ class NixlPushFlow:
     async def finished(self, header_id: str, generation: Generation) -> dict[str, Any]:
         """P: the prompt is computed; write it to its decode if one registered already, else
         keep it for the registration. Answers what vLLM's push prefill answers."""
-        key = push_key(header_id, generation.chat)
+        key = push_key(header_id, generation.unindexed)
         decode = self._registered.pop(key)
         if decode is None:
             self._finished.put(key, generation)
@@ -131,7 +131,7 @@ class NixlPushFlow:
     ) -> None:
         """D: register with the prefill the params name, then wait for its KV (bounded)."""
         prefill = DecodeLeg.from_params(params)  # raises ParamsError
-        key = push_key(header_id or request_id, generation.chat)
+        key = push_key(header_id or request_id, generation.unindexed)
         registration = Register(key, prefill.engine_id, str(self.cfg.kv))
         try:
             await self.sender.push(str(prefill.side_channel), registration, self.cfg.kv_timeout_s)

@@ -68,7 +68,7 @@ class PullFlow:
     ) -> dict[str, Any]:
         """P: keep the request's KV and answer the kv_transfer_params a decode reads it with."""
         # Keyed like vLLM's remote_request_id: the prefill engine's own id for the request.
-        transfer_id = engine_request_id(header_id or uuid.uuid4().hex, generation.chat)
+        transfer_id = engine_request_id(header_id or uuid.uuid4().hex, generation.unindexed)
         blocks = max(1, math.ceil(generation.prompt_tokens / self.cfg.geometry.block_size))
         payload = compute_payload(self.cfg, generation)
         # The prefill reports the transfer when a decode reads it (kv_transport.serve_kv).

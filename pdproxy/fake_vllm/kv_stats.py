@@ -110,7 +110,7 @@ class KvStats:
         tagged = None if request_id is None else parse_request_id(request_id)
         if tagged is None:
             return None
-        suffix = "chat" if generation.chat else "0"
+        suffix = "chat" if generation.unindexed else "0"
         blocks = math.ceil(generation.prompt_tokens / self._block_size)
         return StatsKey(f"{tagged.uid}-{suffix}", blocks)
 

@@ -1,11 +1,12 @@
-"""vLLM-shaped response bodies for a whole (non-streamed) completion or chat completion."""
+"""vLLM-shaped response bodies for a whole (non-streamed) completion, chat completion or
+token-in/token-out generation."""
 
 from __future__ import annotations
 
 from dataclasses import dataclass
 from typing import Any
 
-from pdproxy.fake_vllm.deterministic_text import generated_words
+from pdproxy.fake_vllm.deterministic_text import generated_token_ids, generated_words
 from pdproxy.fake_vllm.generation import Generation
 
 
@@ -60,3 +61,27 @@ def full_response(env: Envelope, generation: Generation) -> dict[str, Any]:
             )
     obj = "chat.completion" if generation.chat else "text_completion"
     return env.wrap(obj, choices, usage=usage(generation))
+
+
+def tokens_envelope(env: Envelope) -> dict[str, Any]:
+    """What vLLM 0.32's generate answers (GenerateTokensResponse) carry besides choices."""
+    return {"request_id": env.id, "model": env.model, "created": env.created}
+
+
+def tokens_response(env: Envelope, generation: Generation) -> dict[str, Any]:
+    """/inference/v1/generate's whole answer (output_mode "tokens"): token ids only."""
+    prompt = generation.prompts[0]
+    choice = {
+        "index": 0,
+        "finish_reason": "length",
+        "stop_reason": None,
+        "token_ids": generated_token_ids(prompt.text, generation.max_tokens),
+        "logprobs": None,
+    }
+    return {
+        **tokens_envelope(env),
+        "usage": usage(generation),
+        "prompt_logprobs": None,
+        "output_mode": "tokens",
+        "choices": [choice],
+    }

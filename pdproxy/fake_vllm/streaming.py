@@ -7,7 +7,7 @@ from collections.abc import AsyncIterator, Callable
 from typing import Any
 
 from pdproxy.fake_vllm.asyncio_helpers import sleep
-from pdproxy.fake_vllm.deterministic_text import generated_words
+from pdproxy.fake_vllm.deterministic_text import generated_token_ids, generated_words
 from pdproxy.fake_vllm.generation import Generation
 from pdproxy.fake_vllm.responses import Envelope, usage
 
@@ -44,6 +44,10 @@ async def chunks(
     generated: Callable[[int], None],
 ) -> AsyncIterator[dict[str, Any]]:
     """The chunks of a streamed answer; `generated(n)` hears of each step's n new tokens."""
+    if generation.tokens:
+        async for chunk in _token_chunks(env, generation, token_latency_s, generated):
+            yield chunk
+        return
     obj = "chat.completion.chunk" if generation.chat else "text_completion"
     words = [generated_words(p.text, generation.max_tokens) for p in generation.prompts]
     if generation.chat:  # vLLM opens each chat choice with a role-only delta
@@ -60,3 +64,32 @@ async def chunks(
             yield env.wrap(obj, [stream_choice(generation, index, delta, finish)])
     if generation.include_usage:
         yield env.wrap(obj, [], usage=usage(generation))
+
+
+async def _token_chunks(
+    env: Envelope,
+    generation: Generation,
+    token_latency_s: float,
+    generated: Callable[[int], None],
+) -> AsyncIterator[dict[str, Any]]:
+    """/inference/v1/generate's chunks (GenerateTokensStreamResponse): one token id each,
+    then the usage alone when asked for."""
+    ids = generated_token_ids(generation.prompts[0].text, generation.max_tokens)
+    for step, token in enumerate(ids):
+        await sleep(token_latency_s)
+        generated(1)
+        choice = {
+            "index": 0,
+            "finish_reason": finish_reason(step, generation),
+            "stop_reason": None,
+            "token_ids": [token],
+            "logprobs": None,
+        }
+        yield {"request_id": env.id, "usage": None, "output_mode": "tokens", "choices": [choice]}
+    if generation.include_usage:
+        yield {
+            "request_id": env.id,
+            "usage": usage(generation),
+            "output_mode": "tokens",
+            "choices": [],
+        }

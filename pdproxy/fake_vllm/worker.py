@@ -15,7 +15,13 @@ from pdproxy.base.roles import Role
 from pdproxy.fake_vllm.asyncio_helpers import sleep
 from pdproxy.fake_vllm.config import WorkerConfig
 from pdproxy.fake_vllm.control import Control
-from pdproxy.fake_vllm.generation import Generation, check_model, parse_generation
+from pdproxy.fake_vllm.generation import (
+    GENERATE_PATH,
+    Generation,
+    check_model,
+    parse_generation,
+    parse_token_generation,
+)
 from pdproxy.fake_vllm.http_json import ApiError, json_response, parse_json_object
 from pdproxy.fake_vllm.kv_handoff import KvHandoff
 from pdproxy.fake_vllm.kv_held import HeldTransfers
@@ -30,7 +36,7 @@ from pdproxy.fake_vllm.kv_transport import KvSender
 from pdproxy.fake_vllm.load import LoadTracker, Share
 from pdproxy.fake_vllm.passthrough import Echo
 from pdproxy.fake_vllm.records import RecordedRequest, Records
-from pdproxy.fake_vllm.responses import Envelope, full_response
+from pdproxy.fake_vllm.responses import Envelope, full_response, tokens_response
 from pdproxy.fake_vllm.streaming import SSE_DONE, chunks, sse
 
 MAX_BODY_BYTES = 64 * 1024 * 1024
@@ -68,6 +74,7 @@ class FakeWorker:
         )
         app.router.add_post("/v1/completions", self.completions)
         app.router.add_post("/v1/chat/completions", self.chat_completions)
+        app.router.add_post(GENERATE_PATH, self.generate_tokens)
         app.router.add_get("/v1/models", self.models)
         app.router.add_get("/health", self.health)
         if self.cfg.connector == "mooncake" and self.cfg.role is Role.PREFILL:
@@ -82,6 +89,9 @@ class FakeWorker:
 
     async def chat_completions(self, request: web.Request) -> web.StreamResponse:
         return await self._generate(request, chat=True)
+
+    async def generate_tokens(self, request: web.Request) -> web.StreamResponse:
+        return await self._generate(request, chat=False, tokens=True)
 
     async def models(self, request: web.Request) -> web.StreamResponse:
         card = {
@@ -101,12 +111,16 @@ class FakeWorker:
     async def bootstrap_query(self, request: web.Request) -> web.StreamResponse:
         return json_response(query_answer(self.engine_id, str(self.cfg.kv)))
 
-    async def _generate(self, request: web.Request, chat: bool) -> web.StreamResponse:
+    async def _generate(
+        self, request: web.Request, chat: bool, tokens: bool = False
+    ) -> web.StreamResponse:
         header_id = request.headers.get("X-Request-Id")
-        response_id = f"{'chatcmpl' if chat else 'cmpl'}-{header_id or uuid.uuid4().hex}"
+        # vLLM's ids: cmpl-, chatcmpl-, and generate-tokens- for the token-in/token-out API.
+        prefix = "generate-tokens" if tokens else "chatcmpl" if chat else "cmpl"
+        response_id = f"{prefix}-{header_id or uuid.uuid4().hex}"
         recorded = RecordedRequest(header_id or response_id, request.path)
         try:
-            return await self._answer(request, chat, header_id, response_id, recorded)
+            return await self._answer(request, chat, tokens, header_id, response_id, recorded)
         except asyncio.CancelledError:
             # handler_cancellation: the client went away (or the server is stopping).
             self.records.add_abort(recorded)
@@ -116,6 +130,7 @@ class FakeWorker:
         self,
         request: web.Request,
         chat: bool,
+        tokens: bool,
         header_id: str | None,
         response_id: str,
         recorded: RecordedRequest,
@@ -127,7 +142,10 @@ class FakeWorker:
         try:
             body = parse_json_object(await request.read())
             check_model(body, self.cfg.model)
-            generation = parse_generation(body, chat, self.cfg.max_model_len)
+            if tokens:
+                generation = parse_token_generation(body, self.cfg.max_model_len)
+            else:
+                generation = parse_generation(body, chat, self.cfg.max_model_len)
             params = request_params(body)
         except ApiError as err:
             return err.response()
@@ -161,7 +179,10 @@ class FakeWorker:
             await sleep(self.cfg.token_latency_s)
             share.generated(len(generation.prompts))
         self.records.add("completed", recorded.record_id)
-        answer = full_response(env, generation)
+        if generation.tokens:
+            answer = tokens_response(env, generation)
+        else:
+            answer = full_response(env, generation)
         if kv_transfer_params is not None:
             answer["kv_transfer_params"] = kv_transfer_params
         return json_response(answer)

@@ -104,7 +104,9 @@ class Dispatcher:
         self._forward_client_auth = not settings.api_key and settings.api_key_file is None
 
     def features(self, request: CompletionRequest) -> RequestFeatures:
-        return request_features(request.payload, request.model, request.chat, self._prefix_tokens)
+        return request_features(
+            request.payload, request.model, request.chat, self._prefix_tokens, request.generate
+        )
 
     def new_request_id(self) -> str:
         """A fresh id for a request served by one instance alone (no pair to tag)."""

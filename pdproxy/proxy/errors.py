@@ -59,6 +59,27 @@ def error_body(
     )
 
 
+class VllmBadRequest(ProxyError):
+    """A 400 for a body vLLM itself would refuse as invalid, in the shape of vLLM 0.32's
+    validation errors (serve/exception_handling/handlers/validation.py: type "Bad Request",
+    param the field's path from the body, "body.token_ids"); the message is pdproxy's."""
+
+    def __init__(self, message: str, field: str) -> None:
+        super().__init__(400, message, code="invalid_request", param=f"body.{field}")
+
+    def body(self) -> bytes:
+        return orjson.dumps(
+            {
+                "error": {
+                    "message": self.message,
+                    "type": "Bad Request",
+                    "param": self.param,
+                    "code": 400,
+                }
+            }
+        )
+
+
 def vllm_bad_request(message: str, param: str | None = None) -> bytes:
     """A 400 as vLLM itself writes it (its ErrorResponse for a validation error), for a
     refusal pdproxy makes on the instance's behalf: the client cannot tell the two apart."""

@@ -1,7 +1,7 @@
 """The front door: the ASGI callable the HTTP server runs: the API key check, then the completion
-endpoints straight, then the passed-through paths (vLLM's other endpoints, looked up only when
-the path is no completion path: completions pay nothing for them), everything else through
-FastAPI (and counted).
+endpoints (and vLLM's /inference/v1/generate) straight, then the passed-through paths (vLLM's
+other endpoints, looked up only when the path is no completion path: completions pay nothing for
+them), everything else through FastAPI (and counted).
 
 Apart from `PdproxyApp` (proxy/app.py, which builds it and runs the lifespan) so that the
 compiled build compiles it: the server's task awaits this for every request, and each time the
@@ -19,8 +19,10 @@ from pdproxy.proxy.credentials import Credentials
 from pdproxy.proxy.errors import error_body
 from pdproxy.proxy.exchange import Scope
 from pdproxy.proxy.passthrough import PassThroughEndpoint, is_own_path
+from pdproxy.proxy.request import GENERATE_PATH
 
-COMPLETION_PATHS = ("/v1/completions", "/v1/chat/completions")
+# Disaggregated: completions, chat, and vLLM's token-in/token-out generate.
+COMPLETION_PATHS = ("/v1/completions", "/v1/chat/completions", GENERATE_PATH)
 COUNTED_PATHS = frozenset(
     (
         "/health",

@@ -27,10 +27,13 @@ MAX_PREFIX_WINDOWS = 6
 
 
 def request_features(
-    payload: dict[str, Any], model: str, chat: bool, prefix_tokens: int
+    payload: dict[str, Any], model: str, chat: bool, prefix_tokens: int, generate: bool = False
 ) -> RequestFeatures:
     """`prefix_tokens`: how much of the prompt's start identifies its prefix (prefix affinity);
-    0 computes no prefix windows."""
+    0 computes no prefix windows. `generate`: vLLM's token-in/token-out body (token_ids, limits
+    in sampling_params)."""
+    if generate:
+        return _generate_features(payload, model, prefix_tokens)
     if chat:
         text, ids = _chat_text(payload.get("messages")), None
     else:
@@ -44,6 +47,19 @@ def request_features(
         lead = text[: longest * CHARS_PER_TOKEN]
         windows = _windows(lead, prompt_tokens, prefix_tokens, CHARS_PER_TOKEN, b"text")
     limit = _limit(payload, DEFAULT_CHAT_TOKENS if chat else DEFAULT_COMPLETION_TOKENS)
+    return RequestFeatures(model, prompt_tokens, prompt_tokens + limit, windows)
+
+
+def _generate_features(payload: dict[str, Any], model: str, prefix_tokens: int) -> RequestFeatures:
+    """The prompt is the token ids, hashed as a completion's token-id prompt is (the same ids
+    are the same prefix, whichever endpoint they came by); the limit is sampling_params'
+    max_tokens (vLLM's default: until the context is full, guessed as for chat)."""
+    ids = payload.get("token_ids")
+    ids = ids if isinstance(ids, list) else []
+    prompt_tokens = len(ids)
+    windows = _windows(_id_bytes(ids, prefix_tokens), prompt_tokens, prefix_tokens, 8, b"ids")
+    sampling = payload.get("sampling_params")
+    limit = _limit(sampling if isinstance(sampling, dict) else {}, DEFAULT_CHAT_TOKENS)
     return RequestFeatures(model, prompt_tokens, prompt_tokens + limit, windows)
 
 

@@ -1,4 +1,5 @@
-"""A client's completion request: parsed once, validated just enough to route it, and the
+"""A client's completion request (completions, chat, or vLLM's token-in/token-out generate):
+parsed once, validated just enough to route it, and the
 prefill leg's body derived from it. Pure.
 
 Two bounds keep a body the proxy accepts one it can carry: its nesting (what orjson can write
@@ -13,7 +14,7 @@ from typing import Any
 
 import orjson
 
-from pdproxy.proxy.errors import ProxyError, vllm_bad_request
+from pdproxy.proxy.errors import ProxyError, VllmBadRequest, vllm_bad_request
 from pdproxy.proxy.kv_params import PARAMS_FIELD
 
 # The prefill leg must produce exactly one token and return: minimums above 1 are capped.
@@ -35,6 +36,12 @@ COMPLETIONS_DEFAULT_MAX_TOKENS = 16
 # Where vLLM takes extra request arguments from (its SamplingParams.extra_args), which is also
 # where connectors read kv_transfer_params from.
 XARGS_FIELD = "vllm_xargs"
+# vLLM's token-in/token-out endpoint (vllm/entrypoints/scale_out/token_in_token_out): token ids
+# in, token ids out; its sampling parameters sit in one object, whose `extra_args` is where the
+# connectors read kv_transfer_params (the endpoint copies the top-level field there).
+GENERATE_PATH = "/inference/v1/generate"
+SAMPLING_FIELD = "sampling_params"
+_EXTRA_ARGS_FIELD = "extra_args"
 
 
 def max_values(max_body_bytes: int) -> int:
@@ -49,6 +56,9 @@ class CompletionRequest:
     payload: dict[str, Any]
     model: str
     stream: bool
+    # vLLM's token-in/token-out generate (its limits sit in `sampling_params`): judged once,
+    # one comparison per request, read as an attribute by every step that differs.
+    generate: bool
 
     # Why a hand-written __init__ (not frozen): docs/performance.md, "Dataclass constructors".
     def __init__(
@@ -59,6 +69,7 @@ class CompletionRequest:
         self.payload = payload
         self.model = model
         self.stream = stream
+        self.generate = path == GENERATE_PATH
 
     @property
     def chat(self) -> bool:
@@ -69,13 +80,11 @@ class CompletionRequest:
         payload = dict(self.payload)
         if kv_transfer_params is not None:
             payload[PARAMS_FIELD] = kv_transfer_params
-        payload["max_tokens"] = 1
-        if "max_completion_tokens" in payload:
-            payload["max_completion_tokens"] = 1
-        for key in _MIN_FIELDS:
-            value = payload.get(key)
-            if isinstance(value, int | float) and not isinstance(value, bool) and value > 1:
-                payload[key] = 1
+        if self.generate:
+            # parse_completion made sure it is an object
+            payload[SAMPLING_FIELD] = _one_token(dict(payload[SAMPLING_FIELD]))
+        else:
+            _one_token(payload)
         payload["stream"] = False
         payload.pop("stream_options", None)
         return orjson.dumps(payload)
@@ -99,7 +108,10 @@ class CompletionRequest:
         refuses nothing vLLM would serve; older vLLM refused prompt + max_tokens beyond the
         context, which a prompt of at least one token makes true here too (its words differ).
         Only JSON integers are judged: vLLM also takes "600" or 600.0, and judges those itself.
+        Generate requests are left to vLLM: their limits are another endpoint's words.
         """
+        if self.generate:
+            return None
         param, value = self._output_limit()
         if not isinstance(value, int) or isinstance(value, bool) or value <= max_model_len:
             return None
@@ -120,6 +132,18 @@ class CompletionRequest:
         if value is not None:
             return "max_completion_tokens", value
         return "max_tokens", payload.get("max_tokens")
+
+
+def _one_token(fields: dict[str, Any]) -> dict[str, Any]:
+    """`fields` (a request body, or generate's sampling_params) capped to one output token."""
+    fields["max_tokens"] = 1
+    if "max_completion_tokens" in fields:
+        fields["max_completion_tokens"] = 1
+    for key in _MIN_FIELDS:
+        value = fields.get(key)
+        if isinstance(value, int | float) and not isinstance(value, bool) and value > 1:
+            fields[key] = 1
+    return fields
 
 
 def parse_completion(
@@ -170,7 +194,46 @@ def parse_completion(
     stream = payload.get("stream", False)
     if stream is not None and not isinstance(stream, bool):
         raise ProxyError(400, "'stream' must be a boolean", param="stream", code="invalid_type")
-    return CompletionRequest(path, body, payload, model, bool(stream))
+    request = CompletionRequest(path, body, payload, model, bool(stream))
+    if request.generate:
+        _check_generate(payload)
+    return request
+
+
+def _check_generate(payload: dict[str, Any]) -> None:
+    """400, in vLLM's words' shape, unless the body has what vLLM's generate requires and the
+    legs need: token ids (a non-empty list of non-negative integers) and a sampling_params
+    object, whose extra_args the client may not fill with kv_transfer_params."""
+    ids = payload.get("token_ids")
+    if ids is None:
+        raise VllmBadRequest("'token_ids' is required: a non-empty list of token ids", "token_ids")
+    if not isinstance(ids, list) or not ids:
+        raise VllmBadRequest(
+            f"'token_ids' must be a non-empty list of token ids, got "
+            f"{_json_kind(ids) if ids else 'an empty one'}",
+            "token_ids",
+        )
+    for token in ids:
+        if not isinstance(token, int) or isinstance(token, bool) or token < 0:
+            raise VllmBadRequest(
+                f"'token_ids' must hold non-negative integers only, got {_shown(token)}",
+                "token_ids",
+            )
+    sampling = payload.get(SAMPLING_FIELD)
+    if sampling is None:
+        raise VllmBadRequest(
+            f"'{SAMPLING_FIELD}' is required: an object such as {{'max_tokens': 16}}",
+            SAMPLING_FIELD,
+        )
+    if not isinstance(sampling, dict):
+        raise VllmBadRequest(
+            f"'{SAMPLING_FIELD}' must be an object, got {_json_kind(sampling)}", SAMPLING_FIELD
+        )
+    extra = sampling.get(_EXTRA_ARGS_FIELD)
+    if isinstance(extra, dict) and PARAMS_FIELD in extra:
+        # vLLM's engine reads the connectors' field there too: only the proxy may set it.
+        param = f"{SAMPLING_FIELD}.{_EXTRA_ARGS_FIELD}.{PARAMS_FIELD}"
+        raise VllmBadRequest(f"'{param}' is set by pdproxy, not by clients", param)
 
 
 def _check_values(body: bytes, limit: int) -> None:
@@ -202,7 +265,15 @@ def _check_depth(payload: object) -> None:
         ) from None
 
 
+def _shown(value: object) -> str:
+    """A value as JSON, cut short (it is the client's, quoted back)."""
+    text = orjson.dumps(value).decode()
+    return text if len(text) <= 40 else f"{text[:37]}..."
+
+
 def _json_kind(value: object) -> str:
+    if isinstance(value, dict):
+        return "an object"
     if isinstance(value, list):
         return "an array"
     if isinstance(value, str):

@@ -98,6 +98,7 @@ class VllmServer:
     # vLLM's NIXL engine id (kv_transfer_config.engine_id); None: vLLM draws a random one. A
     # NIXL push decode must be told its prefill's engine id up front, so a test fixes it.
     engine_id: str | None = None
+    extra_args: tuple[str, ...] = ()  # further `vllm serve` flags ("--enable-scale-out")
     process: ManagedProcess | None = field(default=None, init=False)
 
     @property
@@ -183,6 +184,7 @@ class VllmServer:
             json.dumps(self.kv_transfer_config()),
             *([] if self.block_size is None else ["--block-size", str(self.block_size)]),
             *self._parallel_args(),
+            *self.extra_args,
         ]
 
     def _parallel_args(self) -> list[str]:
