@@ -138,9 +138,54 @@ def real_stack(
                 [proxy.proxy] if proxy.proxy else [],
             )
             print(f"\nreal vLLM P and D serving after {time.monotonic() - started:.1f} s")
+            _SESSION_STACKS.append(stack)
             yield stack
     finally:
+        _SESSION_STACKS.clear()
         proxy.stop()
+
+
+# On two cores, the session's P and D beside a module's own pair (four vLLM servers) starved
+# each other: a NIXL push transfer took 40-70 s, announcements lapsed past the registry's TTL.
+# So the modules that use the session's stack run first, and it stops after the last of them.
+_SESSION_STACKS: list[RealStack] = []
+_HERE = Path(__file__).resolve().parent
+
+
+def _uses_session_stack(item: pytest.Item) -> bool:
+    return "real_stack" in getattr(item, "fixturenames", ())
+
+
+def _is_mine(item: pytest.Item) -> bool:
+    return Path(str(item.path)).resolve().is_relative_to(_HERE)
+
+
+def pytest_collection_modifyitems(items: list[pytest.Item]) -> None:
+    """Within this directory, whole modules that use `real_stack` before the others (order
+    otherwise kept: a module split in two would start its own fixtures twice)."""
+    positions = [index for index, item in enumerate(items) if _is_mine(item)]
+    mine = [items[index] for index in positions]
+    first = {item.path for item in mine if _uses_session_stack(item)}
+    ordered = [i for i in mine if i.path in first] + [i for i in mine if i.path not in first]
+    for index, item in zip(positions, ordered, strict=True):
+        items[index] = item
+
+
+def pytest_runtest_teardown(item: pytest.Item, nextitem: pytest.Item | None) -> None:
+    """Stop the session's stack once no test left needs it (the fixture's own teardown, at
+    the session's end, then finds it stopped)."""
+    if not _SESSION_STACKS or nextitem is None or not _is_mine(item):
+        return
+    if any(_uses_session_stack(later) for later in _remaining(item, nextitem)):
+        return
+    stack = _SESSION_STACKS.pop()
+    for server in (stack.decode, stack.prefill):
+        server.stop()
+
+
+def _remaining(item: pytest.Item, nextitem: pytest.Item) -> list[pytest.Item]:
+    items = item.session.items
+    return items[items.index(nextitem) :]
 
 
 def metric_sum(server: VllmServer, name: str) -> float:
