@@ -7,7 +7,6 @@ from __future__ import annotations
 
 import json
 import signal
-import time
 from collections.abc import Iterator
 from typing import Any
 
@@ -18,10 +17,10 @@ from pdproxy.demo.processes import wait_until
 from pdproxy.ids import parse_request_id
 from tests.conftest import FleetFactory
 from tests.integration.support import (
+    hang_up_mid_stream_aborts,
     metric_value,
     open_raw_request,
     post_json,
-    read_until,
 )
 
 MODEL = "fake-model"
@@ -219,15 +218,4 @@ def test_a_client_that_leaves_mid_stream_aborts_the_decode(fleet_factory: FleetF
     fleet = fleet_factory([WorkerSpec("P"), WorkerSpec("D", token_latency_ms=100)])
     body = generate_body(5, stream=True, max_tokens=500)
     sock = open_raw_request(fleet.proxy_url + GENERATE, body)
-    read_until(sock, b"data: ", timeout=10)  # the stream is flowing
-    hung_up = time.monotonic()
-    sock.close()
-    decode = fleet.role("D")[0]
-    deadline = time.monotonic() + 5
-    aborted: list[dict[str, Any]] = []
-    while not aborted and time.monotonic() < deadline:
-        aborted = decode.events()["aborted"]
-        time.sleep(0.05)
-    assert len(aborted) == 1, decode.events()
-    assert aborted[0]["time"] - hung_up < 1.0
-    assert decode.events()["completed"] == []
+    hang_up_mid_stream_aborts(fleet.role("D")[0], sock)
