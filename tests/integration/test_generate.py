@@ -157,16 +157,21 @@ def test_bad_input_is_a_400_in_vllms_shape_and_sends_no_leg(
 def test_generate_is_counted_and_logged(fleet: LocalFleet) -> None:
     labels = {"endpoint": GENERATE, "status": "200"}
     before = metric_value(fleet.proxy_url, "pdproxy_requests_total", labels)
-    assert post_json(fleet.proxy_url + GENERATE, generate_body(3)).status == 200
+    mine = {"X-Request-Id": "generate-counted-and-logged"}
+    answer = post_json(fleet.proxy_url + GENERATE, generate_body(3), headers=mine)
+    assert answer.status == 200
     assert metric_value(fleet.proxy_url, "pdproxy_requests_total", labels) == before + 1
 
     def logged() -> list[dict[str, Any]]:
+        # This request's line: the module's other requests are logged too, and lines are
+        # written from a queue, so "the last line" may be another's.
         text = (fleet.log_dir / "pdproxy.log").read_text()
         lines = [json.loads(line) for line in text.splitlines() if line.strip()]
-        return [line for line in lines if line.get("endpoint") == GENERATE]
+        return [line for line in lines if line.get("client_request_id") == mine["X-Request-Id"]]
 
-    wait_until(lambda: len(logged()) >= 1, 10, "an access line for generate")
-    line = logged()[-1]
+    wait_until(lambda: len(logged()) >= 1, 10, "the access line of this generate request")
+    [line] = logged()
+    assert line["endpoint"] == GENERATE
     assert line["status"] == 200 and line["outcome"] == "ok" and line["model"] == MODEL
     assert line["prefill"] and line["decode"] and line["direct"] is False
 
