@@ -31,9 +31,10 @@ from pydantic import (
 
 from pdproxy.base.endpoints import parse_endpoint
 from pdproxy.base.roles import WIRE_LETTERS, Role
+from pdproxy.base.secret_file import MIN_SECRET_BYTES, read_secret_file
 from pdproxy.ids import Address, AddressError, parse_address
 from pdproxy.pairing.policies import DecodePolicyName, PrefillPolicyName
-from pdproxy.registry.auth import MIN_SECRET_BYTES, AuthConfigError, parse_cidrs
+from pdproxy.registry.auth import AuthConfigError, parse_cidrs
 from pdproxy.registry.messages import (
     GEOMETRY_LIMITS,
     MAX_DTYPE_NAME,
@@ -161,24 +162,9 @@ class StaticInstance(BaseModel):
         return parse_address(self.zmq)
 
 
-_MAX_SECRET_FILE_BYTES = 4096
-
-
-def _read_secret_file(path: Path) -> str:
-    try:
-        with path.open("rb") as file:
-            raw = file.read(_MAX_SECRET_FILE_BYTES + 1)
-    except OSError as exc:
-        raise ValueError(f"registry_secret_file {path}: {exc.strerror or exc}") from None
-    if len(raw) > _MAX_SECRET_FILE_BYTES:
-        raise ValueError(f"registry_secret_file {path}: larger than {_MAX_SECRET_FILE_BYTES} B")
-    secret = raw.decode("utf-8", "replace").strip()
-    if len(secret.encode()) < MIN_SECRET_BYTES:
-        raise ValueError(
-            f"registry_secret_file {path}: the secret must be at least {MIN_SECRET_BYTES} "
-            "characters"
-        )
-    return secret
+def _secret_of_file(path: Path) -> str:
+    # read_secret_file's SecretError is a ValueError: pydantic reports it as the field's.
+    return read_secret_file(path).decode("utf-8", "replace")
 
 
 class Settings(BaseModel):
@@ -603,7 +589,7 @@ class Settings(BaseModel):
         if self.registry_secret_file is not None:
             if self.registry_secret is not None:
                 raise ValueError("give registry_secret or registry_secret_file, not both")
-            _read_secret_file(self.registry_secret_file)
+            _secret_of_file(self.registry_secret_file)
         return self
 
     @property
@@ -612,7 +598,7 @@ class Settings(BaseModel):
         only: a few reads of a small file)."""
         if self.registry_secret_file is None:
             return self.registry_secret
-        return SecretStr(_read_secret_file(self.registry_secret_file))
+        return SecretStr(_secret_of_file(self.registry_secret_file))
 
     @field_validator("registry_secret", "admin_token", mode="before")
     @classmethod

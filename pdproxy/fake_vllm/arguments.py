@@ -7,6 +7,7 @@ from pathlib import Path
 
 from pdproxy.base.endpoints import Endpoint, EndpointError, parse_endpoint
 from pdproxy.base.roles import WIRE_LETTERS, Role
+from pdproxy.base.secret_file import read_secret_file
 from pdproxy.fake_vllm.config import (
     CONNECTOR_KINDS,
     DEFAULT_HTTP_BACKLOG,
@@ -14,7 +15,6 @@ from pdproxy.fake_vllm.config import (
     WorkerConfig,
 )
 from pdproxy.ids import Address, make_address
-from pdproxy.vllm_side.secret import read_secret_file
 
 
 def port(text: str) -> int:

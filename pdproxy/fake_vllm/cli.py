@@ -7,9 +7,9 @@ import asyncio
 import sys
 from collections.abc import Sequence
 
+from pdproxy.base.secret_file import SecretError
 from pdproxy.fake_vllm.arguments import add_arguments, config_from_args
 from pdproxy.ids import AddressError
-from pdproxy.vllm_side.secret import SecretError
 
 # aiohttp serves the fake worker and nothing else in pdproxy, so a plain install goes without it.
 EXTRA_MISSING = "the fake worker needs aiohttp: pip install 'pdproxy[fake-worker]'"

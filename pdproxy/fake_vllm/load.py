@@ -10,6 +10,7 @@ from typing import Any
 
 from pdproxy.fake_vllm.http_json import ApiError
 from pdproxy.registry.messages import Load, known_fields
+from pdproxy.vllm_side.vllm_metrics import KV_USAGE, RUNNING, WAITING
 
 
 @dataclass(frozen=True, slots=True)
@@ -97,3 +98,27 @@ def parse_forced_load(body: dict[str, Any]) -> ForcedLoad:
     return ForcedLoad(
         count(body, "running"), count(body, "waiting"), None if usage is None else float(usage)
     )
+
+
+# vLLM's own names for the gauges `pdproxy announce` scrapes (vllm_side/vllm_metrics.py), so
+# the sidecar can be tried against a fake worker as against a real server.
+_GAUGES = (
+    (RUNNING, "Number of requests in model execution batches.", "running"),
+    (WAITING, "Number of requests waiting to be processed.", "waiting"),
+    (KV_USAGE, "KV-cache usage. 1 means 100 percent usage.", "kv_usage"),
+)
+
+
+def vllm_metrics_text(load: Load, model: str) -> str:
+    labels = f'{{engine="0",model_name="{_escaped(model)}"}}'
+    lines = []
+    for name, meaning, field_name in _GAUGES:
+        value = getattr(load, field_name)
+        lines += [f"# HELP {name} {meaning}", f"# TYPE {name} gauge"]
+        if value is not None:
+            lines.append(f"{name}{labels} {float(value)}")
+    return "\n".join(lines) + "\n"
+
+
+def _escaped(label: str) -> str:
+    return label.replace("\\", "\\\\").replace('"', '\\"').replace("\n", "\\n")

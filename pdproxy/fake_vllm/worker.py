@@ -33,7 +33,7 @@ from pdproxy.fake_vllm.kv_push_flow import PushFlow
 from pdproxy.fake_vllm.kv_stats import KvStats
 from pdproxy.fake_vllm.kv_store import KvStore
 from pdproxy.fake_vllm.kv_transport import KvSender
-from pdproxy.fake_vllm.load import LoadTracker, Share
+from pdproxy.fake_vllm.load import LoadTracker, Share, vllm_metrics_text
 from pdproxy.fake_vllm.passthrough import Echo
 from pdproxy.fake_vllm.records import RecordedRequest, Records
 from pdproxy.fake_vllm.responses import Envelope, full_response, tokens_response
@@ -77,6 +77,7 @@ class FakeWorker:
         app.router.add_post(GENERATE_PATH, self.generate_tokens)
         app.router.add_get("/v1/models", self.models)
         app.router.add_get("/health", self.health)
+        app.router.add_get("/metrics", self.metrics)
         if self.cfg.connector == "mooncake" and self.cfg.role is Role.PREFILL:
             app.router.add_get("/query", self.bootstrap_query)  # its bootstrap server
         self.control.add_routes(app.router)
@@ -107,6 +108,10 @@ class FakeWorker:
 
     async def health(self, request: web.Request) -> web.StreamResponse:
         return web.Response(status=200)
+
+    async def metrics(self, request: web.Request) -> web.StreamResponse:
+        text = vllm_metrics_text(self.load.announced(), self.cfg.model)
+        return web.Response(text=text, content_type="text/plain", charset="utf-8")
 
     async def bootstrap_query(self, request: web.Request) -> web.StreamResponse:
         return json_response(query_answer(self.engine_id, str(self.cfg.kv)))

@@ -69,7 +69,6 @@ NONCE_HEX = 32
 MAC_HEX = 64
 DEFAULT_MAX_SKEW_S = 30.0
 DEFAULT_NONCE_CAPACITY = 65536
-MIN_SECRET_BYTES = 16
 # Top-level fields of a frame walked before it is authenticated: a v1 message has at most 14.
 MAX_FIELDS = 64
 # The encoded "auth" value: about 130 bytes as signed.

@@ -24,6 +24,7 @@ from typing import Any
 
 from pdproxy.base.endpoints import EndpointError, parse_endpoint
 from pdproxy.base.roles import WIRE_LETTERS, Role
+from pdproxy.base.secret_file import SECRET_ENV, read_secret_file, secret_from_text
 from pdproxy.ids import AddressError, parse_address
 from pdproxy.registry.messages import (
     MAX_DTYPE_NAME,
@@ -38,7 +39,6 @@ from pdproxy.vllm_side.announcement import WorkerIdentity, context_length
 from pdproxy.vllm_side.announcer import DEFAULT_INTERVAL_S, Announcer, LoadSample
 from pdproxy.vllm_side.fanout import FanOutClient, announce_resolver
 from pdproxy.vllm_side.model_config import ModelConfigError, geometry_from_model_config
-from pdproxy.vllm_side.secret import SECRET_ENV, read_secret_file, secret_from_text
 from pdproxy.vllm_side.vllm_metrics import MetricsFormatError, load_from_metrics
 
 log = logging.getLogger("pdproxy.announce")

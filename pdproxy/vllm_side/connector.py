@@ -31,6 +31,7 @@ from vllm.distributed.kv_transfer.kv_connector.v1.base import (
 )
 
 from pdproxy.base.roles import Role
+from pdproxy.base.secret_file import read_secret_file
 from pdproxy.pairing.geometry import KvGeometry, KvLayout
 from pdproxy.registry.messages import Geometry, known_fields
 from pdproxy.vllm_side.announcement import TransferStat, WorkerIdentity, context_length
@@ -52,7 +53,6 @@ from pdproxy.vllm_side.kv_tcp import TcpReceiver, TcpSender
 from pdproxy.vllm_side.kv_worker import ConsumerWorker, ProducerWorker, TransferRecord
 from pdproxy.vllm_side.load_tracker import LoadTracker
 from pdproxy.vllm_side.request_log import RequestLog
-from pdproxy.vllm_side.secret import read_secret_file
 from pdproxy.vllm_side.stats_reporter import StatsReporter
 from pdproxy.vllm_side.vllm_geometry import geometry_from_vllm_config
 

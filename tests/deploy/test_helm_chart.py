@@ -19,6 +19,7 @@ import pytest
 import yaml
 
 from pdproxy.base.roles import Role
+from pdproxy.base.secret_file import SECRET_ENV, read_secret_file
 from pdproxy.config import ENV_PREFIX, Settings, StaticInstance
 from pdproxy.demo.processes import http_get
 from pdproxy.proxy.app import PdproxyApp
@@ -28,7 +29,6 @@ from pdproxy.proxy.serving import FINAL_GRACE_SECONDS
 from pdproxy.registry.auth import Verifier, new_nonce, signed
 from pdproxy.vllm_side.announce import registry_secret
 from pdproxy.vllm_side.connector_settings import connector_settings
-from pdproxy.vllm_side.secret import SECRET_ENV, read_secret_file
 from tests.deploy.support import (
     CHART,
     CONFIG_FILE_KEY,

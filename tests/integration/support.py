@@ -13,6 +13,7 @@ from dataclasses import dataclass
 from typing import Any, Self
 from urllib.parse import urlsplit
 
+from pdproxy.demo.fleet import Worker
 from pdproxy.demo.processes import http_get
 
 
@@ -182,6 +183,22 @@ class ScriptedUpstream(LoopbackServer):
             pass
         finally:
             writer.close()
+
+
+def hang_up_mid_stream_aborts(decode: Worker, sock: socket.socket) -> None:
+    """Close a client connection whose stream is flowing: the decode instance must see its
+    request aborted within a second, and never complete it."""
+    read_until(sock, b"data: ", timeout=10)  # the stream is flowing
+    hung_up = time.monotonic()
+    sock.close()
+    deadline = time.monotonic() + 5
+    aborted: list[dict[str, Any]] = []
+    while not aborted and time.monotonic() < deadline:
+        aborted = decode.events()["aborted"]
+        time.sleep(0.05)
+    assert len(aborted) == 1, decode.events()
+    assert aborted[0]["time"] - hung_up < 1.0
+    assert decode.events()["completed"] == []
 
 
 def json_answer(body: bytes) -> bytes:

@@ -213,11 +213,17 @@ def write_model_config(directory: Path, config: object = TINY_LLAMA_CONFIG) -> P
 def announce_args(
     fleet: LocalFleet, server: FakeVllmServer, model_config: Path, zmq_port: int
 ) -> list[str]:
+    return announce_args_for(fleet, server.http_address, model_config, zmq_port)
+
+
+def announce_args_for(
+    fleet: LocalFleet, http_address: str, model_config: Path, zmq_port: int
+) -> list[str]:
     return [
         "--role",
         "D",
         "--http-address",
-        server.http_address,
+        http_address,
         "--zmq-address",
         f"{LOOPBACK}:{zmq_port}",
         "--registry",
@@ -532,3 +538,37 @@ def test_missing_required_flag_exits_2() -> None:
     result = run_announce(*(args[:index] + args[index + 2 :]))
     assert result.returncode == 2
     assert "--registry" in result.stderr
+
+
+def test_the_sidecar_can_be_tried_on_a_fake_worker(
+    fleet_factory: FleetFactory, announcers: Starter, tmp_path: Path
+) -> None:
+    """The fake worker serves /metrics in vLLM's names, so `pdproxy announce` reads its load
+    as it reads a real server's."""
+    fleet = start_proxy(fleet_factory)
+    http_port, kv_port = free_port(), free_port()
+    worker = ManagedProcess(
+        "fake-worker",
+        pdproxy_command(
+            "fake-worker", "--role", "D", "--port", str(http_port), "--kv-port", str(kv_port)
+        ),
+        tmp_path / "fake-worker.log",
+    ).start()
+    try:
+        url = f"http://{LOOPBACK}:{http_port}"
+        wait_until(lambda: http_get(url + "/health")[0] == 200, WAIT, "the fake worker", [worker])
+        forced = {"running": 5, "waiting": 2, "kv_usage": 0.375}
+        assert post_json(url + "/_fake/load", forced).status == 200
+        address = f"{LOOPBACK}:{http_port}"
+        config = write_model_config(tmp_path)
+        sidecar = announcers(*announce_args_for(fleet, address, config, kv_port))
+        item = wait_instance(
+            fleet,
+            address,
+            lambda i: i is not None and i["load"] == forced,
+            "the fake worker's forced load, read from its /metrics",
+            [*fleet.processes(), worker, sidecar],
+        )
+        assert item is not None and item["source"] == "v1" and item["healthy"] is True
+    finally:
+        assert worker.stop() == 0

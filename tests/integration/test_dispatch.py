@@ -18,6 +18,7 @@ from pdproxy.demo.processes import wait_until
 from pdproxy.ids import VLLM_DECODE_SIDE, VLLM_PREFILL_SIDE, parse_request_id
 from tests.conftest import FleetFactory
 from tests.integration.support import (
+    hang_up_mid_stream_aborts,
     metric_value,
     open_raw_request,
     post_json,
@@ -259,18 +260,7 @@ def test_client_disconnect_mid_stream_reaches_decode(fleet_factory: FleetFactory
         fleet.proxy_url + "/v1/completions",
         {"model": MODEL, "prompt": "long story", "max_tokens": 500, "stream": True},
     )
-    read_until(sock, b"data: ", timeout=10)  # the stream is flowing
-    hung_up = time.monotonic()
-    sock.close()
-    decode = fleet.role("D")[0]
-    deadline = time.monotonic() + 5
-    aborted: list[dict[str, Any]] = []
-    while not aborted and time.monotonic() < deadline:
-        aborted = decode.events()["aborted"]
-        time.sleep(0.05)
-    assert len(aborted) == 1, decode.events()
-    assert aborted[0]["time"] - hung_up < 1.0
-    assert decode.events()["completed"] == []
+    hang_up_mid_stream_aborts(fleet.role("D")[0], sock)
 
 
 def test_abandoned_streams_give_their_connection_slot_back(fleet_factory: FleetFactory) -> None:

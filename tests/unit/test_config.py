@@ -813,7 +813,7 @@ def test_the_registry_secret_may_come_from_a_file(tmp_path: Path) -> None:
         load(["--registry-secret-file", str(tmp_path / "missing")])
     short = tmp_path / "short"
     short.write_text("too short\n", encoding="utf-8")
-    with pytest.raises(ConfigError, match="at least 16 characters"):
+    with pytest.raises(ConfigError, match="shorter than 16 bytes"):
         load(["--registry-secret-file", str(short)])
 
 

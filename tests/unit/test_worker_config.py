@@ -18,6 +18,7 @@ from hypothesis import given, settings
 from hypothesis import strategies as st
 
 from pdproxy.base.roles import Role
+from pdproxy.fake_vllm.load import vllm_metrics_text as fake_worker_metrics
 from pdproxy.registry.messages import (
     Announcement,
     Connector,
@@ -816,3 +817,13 @@ def test_the_sidecar_refuses_an_unknown_connector_kind(capsys: pytest.CaptureFix
     with pytest.raises(SystemExit):
         sidecar_args("--connector", "P2pNcclConnector")
     assert "--connector" in capsys.readouterr().err
+
+
+@pytest.mark.parametrize(
+    "load",
+    [Load(running=5, waiting=2, kv_usage=0.375), Load(running=0, waiting=0, kv_usage=None)],
+)
+@pytest.mark.parametrize("model", ["fake-model", 'odd "name"\\with\nbreaks'])
+def test_the_fake_workers_metrics_read_back_as_its_load(load: Load, model: str) -> None:
+    # What `pdproxy announce` scrapes from a fake worker is the load the worker holds.
+    assert load_from_metrics(fake_worker_metrics(load, model)) == load

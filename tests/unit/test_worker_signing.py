@@ -11,6 +11,7 @@ import pytest
 
 from pdproxy.base.endpoints import Endpoint
 from pdproxy.base.roles import Role
+from pdproxy.base.secret_file import SECRET_ENV, SecretError, read_secret_file
 from pdproxy.fake_vllm.announce import announce_message as fake_announce_message
 from pdproxy.fake_vllm.config import Geometry, WorkerConfig
 from pdproxy.ids import Address
@@ -20,7 +21,6 @@ from pdproxy.vllm_side.announce import add_cli, registry_secret
 from pdproxy.vllm_side.announcement import WorkerIdentity
 from pdproxy.vllm_side.announcer import Announcer, LoadSample
 from pdproxy.vllm_side.connector_settings import ConnectorConfigError, connector_settings
-from pdproxy.vllm_side.secret import SECRET_ENV, SecretError, read_secret_file
 
 SECRET = b"worker-secret-0123456789"
 NOW = 1_700_000_000.0

@@ -1,17 +1,14 @@
-"""The registry secret a worker signs its v1 messages with (pdproxy.registry.auth).
-
-Read from a file (or, for `pdproxy announce`, the PDPROXY_REGISTRY_SECRET variable), never from a
-command-line value, so it does not show in `ps`. Surrounding whitespace (a trailing newline) is
-dropped, as the proxy's own setting is a plain string.
-"""
+"""The registry secret that v1 messages are signed with (pdproxy.registry.auth), read from a
+file: by a worker (or, for `pdproxy announce`, from the PDPROXY_REGISTRY_SECRET variable) and by
+the proxy (`registry_secret_file`), never from a command-line value, which `ps` would show.
+Surrounding whitespace (a trailing newline) is dropped."""
 
 from __future__ import annotations
 
 from pathlib import Path
 
-from pdproxy.registry.auth import MIN_SECRET_BYTES
-
 SECRET_ENV = "PDPROXY_REGISTRY_SECRET"
+MIN_SECRET_BYTES = 16
 MAX_SECRET_FILE_BYTES = 4096
 
 
