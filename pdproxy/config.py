@@ -549,7 +549,7 @@ class Settings(BaseModel):
     def unsigned_instance_cap(self) -> int | None:
         """How many instances unsigned v0 announcements may hold, apart from max_instances;
         None without a secret (nothing is signed then: one cap for all, as ever)."""
-        if self.registry_key is None:
+        if not self.registry_signed:
             return None
         return self.registry_max_unsigned_instances or max(1, self.max_instances // 4)
 
@@ -591,6 +591,11 @@ class Settings(BaseModel):
                 raise ValueError("give registry_secret or registry_secret_file, not both")
             _secret_of_file(self.registry_secret_file)
         return self
+
+    @property
+    def registry_signed(self) -> bool:
+        """Whether a registry secret is set, directly or in a file (without reading it)."""
+        return self.registry_secret is not None or self.registry_secret_file is not None
 
     @property
     def registry_key(self) -> SecretStr | None:

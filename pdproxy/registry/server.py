@@ -415,7 +415,7 @@ def gate_from_settings(settings: Settings) -> RegistryGate:
 
 def _auth_summary(settings: Settings) -> str:
     """What the registry admits, for the startup log line (never the secret itself)."""
-    if settings.registry_key is None:
+    if not settings.registry_signed:
         parts = ["unauthenticated"]
     else:
         v0 = (
