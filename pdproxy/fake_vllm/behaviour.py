@@ -17,8 +17,8 @@ class Behaviour:
     status: int | None = None
     error_body: Any = None
     delay_s: float | None = None
-    # Cut the connection (no clean end) after this many SSE chunks of a stream, or before
-    # any byte of a whole answer.
+    # Cut the connection (no clean end) after this many SSE chunks of a stream. A whole answer
+    # is one chunk: 0 cuts it before any byte, a larger count lets it through.
     drop_after_chunks: int | None = None
 
     def response(self) -> web.Response:

@@ -166,7 +166,7 @@ class FakeWorker:
             if generation.stream:
                 # Like vLLM, a streamed answer carries no kv_transfer_params.
                 return await self._stream(request, env, generation, recorded, share, drop)
-            if drop is not None:
+            if drop == 0:
                 _cut(request)
                 self.records.add_abort(recorded)
                 return web.Response(status=500)  # never sent: the connection is gone
