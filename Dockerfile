@@ -34,11 +34,12 @@ RUN python -m venv /src/compiler \
     && /src/compiler/bin/pip install --no-cache-dir setuptools==84.0.0 wheel==0.48.0 mypy==2.4.0 .
 RUN PDPROXY_COMPILE=1 /src/compiler/bin/pip wheel --no-cache-dir --no-build-isolation --no-deps \
     --wheel-dir /src/wheels .
-# With the fake-worker extra (aiohttp): docker-compose's demo runs `pdproxy fake-worker` from
-# this image. The loop names the one wheel, whose file name a glob must find, with its extra.
+# With the extras its flags need: kubernetes (`--discovery kubernetes`, which the chart can turn
+# on), otel (`--otel-exporter`) and fake-worker (aiohttp: docker-compose's demo runs `pdproxy
+# fake-worker` from this image). The loop names the one wheel, whose file name a glob must find.
 RUN python -m venv /opt/pdproxy \
     && for wheel in /src/wheels/pdproxy-*.whl; do \
-         /opt/pdproxy/bin/pip install --no-cache-dir "${wheel}[fake-worker]"; \
+         /opt/pdproxy/bin/pip install --no-cache-dir "${wheel}[fake-worker,kubernetes,otel]"; \
        done
 
 # ---- runtime: the venv on a clean base, run as an unprivileged user --------------------------

@@ -183,12 +183,45 @@ def copy_context(stage: Stage, workdir: Path) -> None:
 # ---- the install steps, for real ---------------------------------------------------------------
 
 
+# The image's extras whose packages a machine's local mirrors may lack: fetched once, before
+# the offline install, into a folder the install then reads like a local mirror.
+IMAGE_EXTRA_REQUIREMENTS = (
+    "kubernetes_asyncio>=32",
+    "opentelemetry-sdk>=1.25",
+    "opentelemetry-exporter-otlp-proto-http>=1.25",
+)
+WHEELHOUSE = Path.home() / ".cache" / "pdproxy" / "image-wheels"
+
+
+def image_wheelhouse() -> Path:
+    """The set-up step: the extras' wheels, downloaded with the machine's own pip settings
+    (network allowed) unless a previous run left them."""
+    stamp = WHEELHOUSE / ".complete"
+    wanted = "\n".join(IMAGE_EXTRA_REQUIREMENTS)
+    if not stamp.exists() or stamp.read_text() != wanted:
+        WHEELHOUSE.mkdir(parents=True, exist_ok=True)
+        fetched = subprocess.run(
+            [
+                *(sys.executable, "-m", "pip", "download", "--quiet", "--only-binary=:all:"),
+                *("--dest", str(WHEELHOUSE), *IMAGE_EXTRA_REQUIREMENTS),
+            ],
+            capture_output=True,
+            text=True,
+            timeout=300,
+            check=False,
+        )
+        assert fetched.returncode == 0, f"fetching the image's extras failed:\n{fetched.stderr}"
+        stamp.write_text(wanted)
+    return WHEELHOUSE
+
+
 def local_package_sources() -> dict[str, str]:
     """pip settings that keep every install on this machine's own package mirrors.
 
-    The tests reach no network beyond loopback; pip is pointed at the file:// indexes and
-    find-links folders of the machine's pip configuration, and any attempt to go further is sent
-    to a dead loopback proxy so that it fails at once.
+    The install reaches no network beyond loopback; pip is pointed at the file:// indexes and
+    find-links folders of the machine's pip configuration (plus the wheelhouse of
+    `image_wheelhouse`, filled beforehand), and any attempt to go further is sent to a dead
+    loopback proxy so that it fails at once.
     """
     result = subprocess.run(
         [sys.executable, "-m", "pip", "config", "list"],
@@ -213,7 +246,7 @@ def local_package_sources() -> dict[str, str]:
     indexes = [
         u for u in config.get("index-url", []) + config.get("extra-index-url", []) if local(u)
     ]
-    links = [u for u in config.get("find-links", []) if local(u)]
+    links = [u for u in config.get("find-links", []) if local(u)] + [str(image_wheelhouse())]
     assert indexes or links, (
         "this machine's pip configuration names no local package index or find-links folder; "
         "the install test runs offline and needs one"
@@ -312,7 +345,17 @@ def test_installed_pdproxy_is_compiled_and_runs_without_torch(installed: Path) -
     assert location.startswith(str(installed)), "pdproxy was not imported from the fresh venv"
     assert not [d for d in dists if d == "torch" or d.startswith(("nvidia-", "triton"))]
     assert "mypy" not in dists, "the compiler's venv leaked into the image's"
-    for required in ("pdproxy", "fastapi", "uvicorn", "pyzmq", "aiohttp", "prometheus-client"):
+    for required in (
+        "pdproxy",
+        "fastapi",
+        "uvicorn",
+        "pyzmq",
+        "aiohttp",
+        "prometheus-client",
+        "kubernetes-asyncio",
+        "opentelemetry-sdk",
+        "opentelemetry-exporter-otlp-proto-http",
+    ):
         assert required in dists
 
 
