@@ -1,4 +1,5 @@
-# The two commands of the README: `make demo` and `make test`. Each builds its own venv first.
+# The two commands of the README, `make demo` and `make test`, and `make docs`. Each builds its own
+# venv first.
 PYTHON ?= python3
 VENV ?= .venv
 BIN := $(VENV)/bin
@@ -7,7 +8,7 @@ STAMP := $(VENV)/.pdproxy-installed
 COMPILED := build/compiled
 ABS_BIN := $(abspath $(BIN))
 
-.PHONY: demo test lint typecheck vllm-env unit integration vllm bench compiled test-compiled clean
+.PHONY: demo docs test lint typecheck vllm-env unit integration vllm bench compiled test-compiled clean
 
 $(STAMP): pyproject.toml
 	$(PYTHON) -m venv $(VENV)
@@ -29,6 +30,21 @@ $(DEMO_STAMP): pyproject.toml
 demo: $(DEMO_STAMP)
 	$(DEMO_VENV)/bin/python -m pdproxy demo $(if $(PORT),--port $(PORT)) $(if $(REGISTRY_PORT),--registry-port $(REGISTRY_PORT))
 
+# The documentation site (mkdocs.yml) in site/, built strictly: a broken relative link or anchor
+# fails it. NO_MKDOCS_2_WARNING silences mkdocs-material's banner about MkDocs 2, which the docs
+# extra's `mkdocs<2` already keeps out.
+DOCS_VENV ?= .venv-docs
+DOCS_STAMP := $(DOCS_VENV)/.pdproxy-docs-installed
+
+$(DOCS_STAMP): pyproject.toml
+	$(PYTHON) -m venv $(DOCS_VENV)
+	$(DOCS_VENV)/bin/python -m pip install --quiet --upgrade pip
+	$(DOCS_VENV)/bin/python -m pip install --quiet -e '.[docs]'
+	touch $(DOCS_STAMP)
+
+docs: $(DOCS_STAMP)
+	NO_MKDOCS_2_WARNING=1 $(DOCS_VENV)/bin/python -m mkdocs build --strict --site-dir site
+
 test: lint typecheck vllm-env
 	$(BIN)/python -m pytest -q -p no:cacheprovider
 	$(MAKE) test-compiled
@@ -39,7 +55,8 @@ test: lint typecheck vllm-env
 compiled: $(STAMP)
 	rm -rf $(COMPILED)
 	mkdir -p $(COMPILED)
-	tar -c --exclude=./.venv --exclude=./.git --exclude=./build --exclude=./.mypy_cache . | tar -x -C $(COMPILED)
+	tar -c --exclude=./.venv --exclude=./.venv-demo --exclude=./.venv-docs --exclude=./site \
+		--exclude=./.git --exclude=./build --exclude=./.mypy_cache . | tar -x -C $(COMPILED)
 	cd $(COMPILED) && PDPROXY_COMPILE=1 $(ABS_BIN)/python setup.py --quiet build_ext --inplace
 
 # The unit and integration tests again, against the compiled copy (the processes they start run
@@ -77,4 +94,4 @@ bench: $(STAMP)
 	$(BIN)/python benchmarks/bench_proxy.py
 
 clean:
-	rm -rf $(VENV) $(DEMO_VENV) build *.egg-info
+	rm -rf $(VENV) $(DEMO_VENV) $(DOCS_VENV) site build *.egg-info
