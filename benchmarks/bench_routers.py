@@ -843,6 +843,7 @@ def run_bench(args: argparse.Namespace) -> dict[str, Any]:
 
     results: dict[str, list[dict[str, Any]]] = {"nonstream": [], "stream": [], "idle": []}
     commands: dict[str, str] = {}
+    nginx_conf_text: str | None = None  # the configuration nginx ran with, for the JSON
     seen: dict[str, Any] = {}
     group = ProcessGroup(log_dir)
     try:
@@ -858,7 +859,9 @@ def run_bench(args: argparse.Namespace) -> dict[str, Any]:
             backends = start_backends(group, pin, args.python, name)
             ports = free_ports(4)
             if name == REFERENCE:
-                command = nginx_argv(nginx, args, backends, ports[0], log_dir / "nginx-prefix")
+                prefix = log_dir / "nginx-prefix"
+                command = nginx_argv(nginx, args, backends, ports[0], prefix)
+                nginx_conf_text = (prefix / "nginx.conf").read_text(encoding="utf-8")
             else:
                 command = router_argv(name, args, env, backends, ports)
             argv = [*pin.prefix(pin.proxy_core), *command]
@@ -913,6 +916,7 @@ def run_bench(args: argparse.Namespace) -> dict[str, Any]:
             "idle_streams_note": idle_note,
             "router_versions": versions,
             "router_commands": commands,
+            "nginx_conf": nginx_conf_text,
             "smoke_backend_requests": seen,
         },
         "results": results,
