@@ -109,7 +109,10 @@ REFERENCE = "nginx"  # ... and against this C reference, when it runs
 # requests (client side and upstream), an upstream read timing out after 60 s of quiet.
 NGINX_KEEPALIVE_REQUESTS = 1_000_000
 NGINX_READ_TIMEOUT = "1h"
-NGINX_UPSTREAM_KEEPALIVE = 64  # idle connections cached per upstream
+# Idle connections cached per upstream: at least the largest concurrency, since with fewer
+# nginx closes the connections beyond it after each answer and opens new ones (at c=256 with 64
+# the decode leg reconnected for about a third of the requests).
+NGINX_UPSTREAM_KEEPALIVE = 64
 NGINX_MIN_CONNECTIONS = 4096
 NGINX_CONNECTIONS_PER_REQUEST = 3  # the client's, the decode leg's, the prefill leg's
 MODEL = "bench"
@@ -299,7 +302,12 @@ NGINX_PREFILL_BODY = {"model": MODEL, "prompt": "hello world", "max_tokens": 1, 
 
 
 def nginx_conf(
-    prefix: Path, port: int, prefill_port: int, decode_port: int, worker_connections: int
+    prefix: Path,
+    port: int,
+    prefill_port: int,
+    decode_port: int,
+    worker_connections: int,
+    keepalive: int = NGINX_UPSTREAM_KEEPALIVE,
 ) -> str:
     """An nginx configuration that proxies like the P/D routers: per ``POST /v1/completions`` a
     prefill leg (an ``auth_request`` subrequest: the client's request waits for its 2xx), then
@@ -314,7 +322,7 @@ def nginx_conf(
     upstreams = "\n".join(
         f"    upstream {role} {{\n"
         f"        server {HOST}:{upstream_port};\n"
-        f"        keepalive {NGINX_UPSTREAM_KEEPALIVE};\n"
+        f"        keepalive {keepalive};\n"
         f"        keepalive_requests {NGINX_KEEPALIVE_REQUESTS};\n"
         "    }"
         for role, upstream_port in (("prefill", prefill_port), ("decode", decode_port))
@@ -372,11 +380,16 @@ http {{
 """
 
 
+def nginx_busiest(args: argparse.Namespace) -> int:
+    """The most requests the load runs keep in flight at once."""
+    busiest: int = max([*args.concurrency, 0 if args.skip_stream else args.stream_concurrency])
+    return busiest
+
+
 def nginx_worker_connections(args: argparse.Namespace) -> int:
     """Connections nginx's worker may hold: three per request in flight, and two per idle
     stream plus the descriptors the other routers are allowed beside them."""
-    busiest: int = max([*args.concurrency, 0 if args.skip_stream else args.stream_concurrency])
-    wanted = NGINX_CONNECTIONS_PER_REQUEST * busiest + 1024
+    wanted = NGINX_CONNECTIONS_PER_REQUEST * nginx_busiest(args) + 1024
     if not args.skip_idle:
         wanted = max(wanted, FDS_PER_STREAM * (args.idle_streams + SLOT_HEADROOM) + args.fd_reserve)
     return max(NGINX_MIN_CONNECTIONS, wanted)
@@ -396,6 +409,7 @@ def nginx_argv(
             backends.prefill_port,
             backends.decode_port,
             nginx_worker_connections(args),
+            max(NGINX_UPSTREAM_KEEPALIVE, nginx_busiest(args)),
         ),
         encoding="utf-8",
     )

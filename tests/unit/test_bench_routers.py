@@ -71,6 +71,15 @@ def test_nginx_worker_connections_cover_the_load_and_the_idle_streams(bench: Any
     assert bench.nginx_worker_connections(args) == wanted
 
 
+def test_nginx_keeps_as_many_upstream_connections_as_the_load_has_in_flight(
+    bench: Any, tmp_path: Path
+) -> None:
+    conf = bench.nginx_conf(tmp_path, 8000, 8101, 8102, 5000, keepalive=256)
+    assert conf.count("keepalive 256;") == 2
+    args = argparse.Namespace(concurrency=[1, 256], stream_concurrency=64, skip_stream=False)
+    assert bench.nginx_busiest(args) == 256
+
+
 def run(router: str, kind: str, speed: float, cpu: float, round_index: int = 0) -> dict[str, Any]:
     key, cpu_key = (
         ("rps", "server_cpu_us_per_req")
