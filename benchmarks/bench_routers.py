@@ -1,4 +1,5 @@
-"""Side-by-side benchmark: pdproxy vs. vllm-router vs. sglang-router in P/D mode, round robin.
+"""Side-by-side benchmark: pdproxy vs. vllm-router vs. sglang-router (and nginx, a C reference)
+in P/D mode, round robin.
 
 Layout (2 cores): the router under test runs alone on core 0 (``taskset -c 0``); the two fast
 fake backends (one prefill, one decode: ``fast_backend.py``), the load generator
@@ -13,19 +14,25 @@ For every router (and a ``direct`` baseline: the load generator straight at the 
 backend) it measures
 
 * non-streaming ``POST /v1/completions`` at each ``--concurrency`` (default 1, 64, 256):
-  req/s, p50, p99 and the ratio to vllm-router's req/s;
+  req/s, p50, p99, the router's CPU per request and the ratio to vllm-router's req/s;
 * streaming (``--stream-tokens`` SSE events per answer, default 256) at
   ``--stream-concurrency`` streams (default 64): SSE chunks/s relayed, time to first byte
-  (p50/p99) and the ratio of chunks/s to vllm-router's;
+  (p50/p99), the router's CPU per chunk and the ratio of chunks/s to vllm-router's;
 * ``--idle-streams`` (default 10,000) concurrent streams held open (the decode backend sends a
   token every ``--idle-interval-ms``): the RSS of the router's process group per held stream.
 
+With ``nginx`` among ``--routers``, every ratio (speed, and CPU per request or chunk) is also
+given to nginx's in the same round: nginx as a P/D proxy (``nginx_conf``: the prefill leg an
+``auth_request`` subrequest, then the client's request proxied to decode), the cost of relaying
+the same legs in C with no Python and no router logic.
+
 The Rust routers come from PyPI, pinned, in their own venv (``router_env.py``; created on first
-use). Every process it starts runs in its own process group and is stopped by PID (group) in a
-``finally`` block, also on Ctrl-C, SIGTERM or failure. Everything binds 127.0.0.1.
+use); nginx is Debian's package, unpacked into a cache directory (``nginx_env.py``). Every
+process it starts runs in its own process group and is stopped by PID (group) in a ``finally``
+block, also on Ctrl-C, SIGTERM or failure. Everything binds 127.0.0.1.
 
     .venv/bin/python benchmarks/bench_routers.py [--duration 10] [--idle-streams 10000] \
-        [--routers pdproxy,vllm-router,sglang-router] [--json benchmarks/results/routers.json]
+        [--routers pdproxy,vllm-router,sglang-router,nginx] [--json benchmarks/results/routers.json]
 """
 
 from __future__ import annotations
@@ -76,6 +83,7 @@ from bench_proxy import _wait_http_ok as wait_http_ok
 from bench_streams import PROXY_DEFAULT_UPSTREAM_SLOTS, SLOT_HEADROOM, listen_overflows
 from bench_streams import raise_fd_limit as raise_soft_fd_limit
 from fast_backend import MAX_STREAM_EVENTS
+from nginx_env import NginxEnv, NginxEnvError
 from router_env import ROUTER_PINS, RouterEnv, RouterEnvError
 from unwind import run_unwound, write_json_report
 
@@ -89,13 +97,24 @@ from tests.harness.stream_crowd import (
     sse_event_count,
 )
 
-ROUTERS = ("pdproxy", "pdproxy-compiled", "vllm-router", "sglang-router")
+ROUTERS = ("pdproxy", "pdproxy-compiled", "vllm-router", "sglang-router", "nginx")
 PDPROXIES = ("pdproxy", "pdproxy-compiled")
 RUST_ROUTERS = ("vllm-router", "sglang-router")
 DEFAULT_ROUTERS = ("pdproxy", "vllm-router", "sglang-router")
 # `make compiled`: a copy of the checkout with the hot path compiled by mypyc (setup.py).
 COMPILED_TREE = REPO_ROOT / "build" / "compiled"
 BASELINE = "vllm-router"  # ratios are against this router
+REFERENCE = "nginx"  # ... and against this C reference, when it runs
+# nginx's own limits that the other routers do not have: a connection closed after 1,000
+# requests (client side and upstream), an upstream read timing out after 60 s of quiet.
+NGINX_KEEPALIVE_REQUESTS = 1_000_000
+NGINX_READ_TIMEOUT = "1h"
+# Idle connections cached per upstream: at least the largest concurrency, since with fewer
+# nginx closes the connections beyond it after each answer and opens new ones (at c=256 with 64
+# the decode leg reconnected for about a third of the requests).
+NGINX_UPSTREAM_KEEPALIVE = 64
+NGINX_MIN_CONNECTIONS = 4096
+NGINX_CONNECTIONS_PER_REQUEST = 3  # the client's, the decode leg's, the prefill leg's
 MODEL = "bench"
 PDPROXY_DEFAULT_MAX_INFLIGHT = 10_000  # pdproxy's --max-inflight-requests default
 VLLM_ROUTER_DEFAULT_MAX_CONCURRENT = 32_768  # vllm-router's --max-concurrent-requests default
@@ -272,6 +291,129 @@ def router_argv(
         argv = [str(env.python), "-m", "sglang_router.launch_router", "--pd-disaggregation"]
         return [*argv, *common, "--log-level", "warn"]  # no concurrency cap by default
     raise BenchError(f"unknown router {name!r}")
+
+
+# The prefill leg's body: nginx cannot put the client's body into an auth subrequest, so it sends
+# a fixed one-token request (the prefill backend answers one token whatever it is asked). nginx
+# reads only the head of an auth subrequest's answer and then closes the upstream connection
+# when the answer has a body, so the prefill leg opens a connection per request (keepalive does
+# not help there); the decode leg reuses its connections.
+NGINX_PREFILL_BODY = {"model": MODEL, "prompt": "hello world", "max_tokens": 1, "stream": False}
+
+
+def nginx_conf(
+    prefix: Path,
+    port: int,
+    prefill_port: int,
+    decode_port: int,
+    worker_connections: int,
+    keepalive: int = NGINX_UPSTREAM_KEEPALIVE,
+) -> str:
+    """An nginx configuration that proxies like the P/D routers: per ``POST /v1/completions`` a
+    prefill leg (an ``auth_request`` subrequest: the client's request waits for its 2xx), then
+    the client's request to decode, relayed as it arrives. Everything it writes stays under
+    ``prefix``; the error log goes to stderr (the child's log file)."""
+    body = json.dumps(NGINX_PREFILL_BODY, separators=(",", ":"))
+    assert "'" not in body  # single-quoted in the configuration
+    temp = "\n".join(
+        f"    {kind}_temp_path {prefix / kind};"
+        for kind in ("client_body", "proxy", "fastcgi", "uwsgi", "scgi")
+    )
+    upstreams = "\n".join(
+        f"    upstream {role} {{\n"
+        f"        server {HOST}:{upstream_port};\n"
+        f"        keepalive {keepalive};\n"
+        f"        keepalive_requests {NGINX_KEEPALIVE_REQUESTS};\n"
+        "    }"
+        for role, upstream_port in (("prefill", prefill_port), ("decode", decode_port))
+    )
+    return f"""\
+daemon off;
+master_process on;
+worker_processes 1;
+error_log stderr warn;
+pid {prefix / "nginx.pid"};
+
+events {{
+    worker_connections {worker_connections};
+}}
+
+http {{
+    access_log off;
+    keepalive_requests {NGINX_KEEPALIVE_REQUESTS};
+{temp}
+
+{upstreams}
+
+    server {{
+        listen {HOST}:{port};
+
+        location = /readiness {{
+            return 200;
+        }}
+
+        location = {PATH} {{
+            auth_request /_prefill;
+            proxy_pass http://decode;
+            proxy_http_version 1.1;
+            proxy_set_header Connection "";
+            proxy_buffering off;
+            proxy_read_timeout {NGINX_READ_TIMEOUT};
+        }}
+
+        location = /_prefill {{
+            internal;
+            proxy_pass http://prefill{PATH};
+            proxy_http_version 1.1;
+            proxy_set_header Connection "";
+            proxy_method POST;
+            proxy_pass_request_headers off;
+            proxy_set_header Content-Type application/json;
+            proxy_set_body '{body}';
+        }}
+
+        location / {{
+            return 404;
+        }}
+    }}
+}}
+"""
+
+
+def nginx_busiest(args: argparse.Namespace) -> int:
+    """The most requests the load runs keep in flight at once."""
+    busiest: int = max([*args.concurrency, 0 if args.skip_stream else args.stream_concurrency])
+    return busiest
+
+
+def nginx_worker_connections(args: argparse.Namespace) -> int:
+    """Connections nginx's worker may hold: three per request in flight, and two per idle
+    stream plus the descriptors the other routers are allowed beside them."""
+    wanted = NGINX_CONNECTIONS_PER_REQUEST * nginx_busiest(args) + 1024
+    if not args.skip_idle:
+        wanted = max(wanted, FDS_PER_STREAM * (args.idle_streams + SLOT_HEADROOM) + args.fd_reserve)
+    return max(NGINX_MIN_CONNECTIONS, wanted)
+
+
+def nginx_argv(
+    nginx: NginxEnv, args: argparse.Namespace, backends: Backends, port: int, prefix: Path
+) -> list[str]:
+    """Write nginx's configuration under ``prefix`` and return the command that runs it in the
+    foreground (its master and one worker, one process group)."""
+    prefix.mkdir(parents=True, exist_ok=True)
+    conf = prefix / "nginx.conf"
+    conf.write_text(
+        nginx_conf(
+            prefix,
+            port,
+            backends.prefill_port,
+            backends.decode_port,
+            nginx_worker_connections(args),
+            max(NGINX_UPSTREAM_KEEPALIVE, nginx_busiest(args)),
+        ),
+        encoding="utf-8",
+    )
+    return [*nginx.env_prefix(), str(nginx.binary), "-p", str(prefix), "-c", str(conf)]
 
 
 def ready_path(name: str) -> str:
@@ -677,7 +819,7 @@ def run_bench(args: argparse.Namespace) -> dict[str, Any]:
     versions: dict[str, str] = {}
     if "pdproxy-compiled" in args.routers:
         print(f"pdproxy-compiled: {check_compiled_tree(args.python)}", flush=True)
-    if any(r not in PDPROXIES for r in args.routers):
+    if any(r in RUST_ROUTERS for r in args.routers):
         env = (
             RouterEnv(Path(args.routers_venv), pins=args.pins)
             if args.routers_venv
@@ -694,6 +836,16 @@ def run_bench(args: argparse.Namespace) -> dict[str, Any]:
             f"routers: {', '.join(f'{k} {v}' for k, v in sorted(versions.items()))} ({state})",
             flush=True,
         )
+    nginx = NginxEnv.default()
+    if REFERENCE in args.routers:
+        print(f"nginx: {nginx.root} ...", flush=True)
+        try:
+            seconds = nginx.ensure()
+        except NginxEnvError as exc:
+            raise BenchError(f"nginx install failed: {exc} (log: {nginx.log_path})") from None
+        versions[REFERENCE] = nginx.version()
+        state = f"unpacked in {seconds:.0f} s" if seconds else "cached"
+        print(f"nginx: {nginx.version()} (Debian package, {state})", flush=True)
     log_dir = (
         Path(args.log_dir)
         if args.log_dir
@@ -705,6 +857,7 @@ def run_bench(args: argparse.Namespace) -> dict[str, Any]:
 
     results: dict[str, list[dict[str, Any]]] = {"nonstream": [], "stream": [], "idle": []}
     commands: dict[str, str] = {}
+    nginx_conf_text: str | None = None  # the configuration nginx ran with, for the JSON
     seen: dict[str, Any] = {}
     group = ProcessGroup(log_dir)
     try:
@@ -719,7 +872,13 @@ def run_bench(args: argparse.Namespace) -> dict[str, Any]:
         for name in args.routers:
             backends = start_backends(group, pin, args.python, name)
             ports = free_ports(4)
-            argv = [*pin.prefix(pin.proxy_core), *router_argv(name, args, env, backends, ports)]
+            if name == REFERENCE:
+                prefix = log_dir / "nginx-prefix"
+                command = nginx_argv(nginx, args, backends, ports[0], prefix)
+                nginx_conf_text = (prefix / "nginx.conf").read_text(encoding="utf-8")
+            else:
+                command = router_argv(name, args, env, backends, ports)
+            argv = [*pin.prefix(pin.proxy_core), *command]
             commands[name] = shlex.join(argv)
             print(f"{name}: {commands[name]}", flush=True)
             item = group.spawn(name, argv)
@@ -771,6 +930,7 @@ def run_bench(args: argparse.Namespace) -> dict[str, Any]:
             "idle_streams_note": idle_note,
             "router_versions": versions,
             "router_commands": commands,
+            "nginx_conf": nginx_conf_text,
             "smoke_backend_requests": seen,
         },
         "results": results,
@@ -778,27 +938,55 @@ def run_bench(args: argparse.Namespace) -> dict[str, Any]:
     }
 
 
+# Per kind of run: the speed the ratios compare, and the router's CPU per unit of work.
+RATIO_KEYS = {
+    "nonstream": ("rps", "server_cpu_us_per_req"),
+    "stream": ("events_per_s", "server_cpu_us_per_chunk"),
+}
+
+
+def _ratio(value: Any, base: Any) -> float | None:
+    ok = isinstance(value, (int, float)) and isinstance(base, (int, float)) and base > 0
+    return value / base if ok else None
+
+
 def add_ratios(results: dict[str, list[dict[str, Any]]]) -> None:
-    """Each run's ratio to the baseline router's run of the same round and concurrency, and
-    (pdproxy's runs) to the faster Rust router's."""
-    for kind, key in (("nonstream", "rps"), ("stream", "events_per_s")):
+    """Each run's ratio to the baseline router's run of the same round and concurrency, to
+    nginx's (speed, and CPU per request or chunk), and (pdproxy's runs) to the faster Rust
+    router's. ``direct`` gets none: its server is the backend, not a router."""
+    for kind, (key, cpu_key) in RATIO_KEYS.items():
         base: dict[tuple[int, int], float] = {}
+        ref: dict[tuple[int, int], dict[str, Any]] = {}
         fastest: dict[tuple[int, int], float] = {}
         for r in results[kind]:
             when = (r["round"], r["concurrency"])
             if r["router"] == BASELINE:
                 base[when] = r[key]
+            if r["router"] == REFERENCE:
+                ref[when] = r
             if r["router"] in RUST_ROUTERS:
                 fastest[when] = max(fastest.get(when, 0.0), r[key])
         for r in results[kind]:
             when = (r["round"], r["concurrency"])
-            b, f = base.get(when), fastest.get(when)
-            r["vs_baseline"] = r[key] / b if b and r["router"] != "direct" else None
-            r["vs_fastest_rust"] = r[key] / f if f and r["router"] in PDPROXIES else None
-    ibase = next((r["kib_per_stream"] for r in results["idle"] if r["router"] == BASELINE), None)
+            router = r["router"] != "direct"
+            nginx = ref.get(when, {})
+            r["vs_baseline"] = _ratio(r[key], base.get(when)) if router else None
+            r["vs_nginx"] = _ratio(r[key], nginx.get(key)) if router else None
+            r["cpu_vs_nginx"] = _ratio(r.get(cpu_key), nginx.get(cpu_key)) if router else None
+            pdproxy = r["router"] in PDPROXIES
+            r["vs_fastest_rust"] = _ratio(r[key], fastest.get(when)) if pdproxy else None
+    idle = {r["router"]: r["kib_per_stream"] for r in results["idle"]}
     for r in results["idle"]:
-        r["vs_baseline"] = r["kib_per_stream"] / ibase if ibase else None
+        r["vs_baseline"] = _ratio(r["kib_per_stream"], idle.get(BASELINE))
+        r["vs_nginx"] = _ratio(r["kib_per_stream"], idle.get(REFERENCE))
 
+
+# The speed ratios, each with its column's name (the per-round range is given for each).
+RATIO_COLUMNS = {
+    "vs_baseline": f"vs {BASELINE}",
+    "vs_fastest_rust": "vs faster Rust router",
+    "vs_nginx": f"vs {REFERENCE}",
+}
 
 # The medians a summary row gives over a router's rounds (the ratio's median is the median of
 # the per-round ratios, not the ratio of the medians).
@@ -814,6 +1002,8 @@ SUMMARY_MEDIANS = (
     "aux_busy",
     "vs_baseline",
     "vs_fastest_rust",
+    "vs_nginx",
+    "cpu_vs_nginx",
 )
 
 
@@ -830,7 +1020,7 @@ def summarize(rows: list[dict[str, Any]]) -> list[dict[str, Any]]:
             values = [r[key] for r in runs if isinstance(r.get(key), (int, float))]
             row[key] = statistics.median(values) if values else None
         row["errors"] = sum(r["errors"] for r in runs)
-        for key in ("vs_baseline", "vs_fastest_rust"):
+        for key in RATIO_COLUMNS:
             ratios = [r[key] for r in runs if r.get(key) is not None]
             row[f"{key}_min"] = min(ratios) if ratios else None
             row[f"{key}_max"] = max(ratios) if ratios else None
@@ -863,22 +1053,31 @@ def _spread(r: dict[str, Any], key: str) -> list[str]:
     return [span, f"{r[f'{key}_ahead']} of {r['rounds']}"]
 
 
-def _ratios(r: dict[str, Any], rounds: int) -> list[str]:
-    """The ratio columns: median ratio to the baseline and to the faster Rust router, and with
-    several rounds their ranges and the rounds ahead."""
+def _ratio_keys(with_nginx: bool) -> tuple[str, ...]:
+    return tuple(key for key in RATIO_COLUMNS if with_nginx or key != "vs_nginx")
+
+
+def _ratios(r: dict[str, Any], rounds: int, with_nginx: bool) -> list[str]:
+    """The ratio columns: median ratio to the baseline, to the faster Rust router and to nginx,
+    and with several rounds their ranges and the rounds ahead."""
     cells = []
-    for key in ("vs_baseline", "vs_fastest_rust"):
+    for key in _ratio_keys(with_nginx):
         cells.append(_num(r.get(key), ".2f"))
         if rounds > 1:
             cells += _spread(r, key)
     return cells
 
 
-def _ratio_header(rounds: int) -> list[str]:
+def _ratio_header(rounds: int, with_nginx: bool) -> list[str]:
     header = []
-    for name in (f"vs {BASELINE}", "vs faster Rust router"):
+    for key in _ratio_keys(with_nginx):
+        name = RATIO_COLUMNS[key]
         header += [name, "range", "rounds ahead"] if rounds > 1 else [name]
     return header
+
+
+def _cpu_vs_nginx(r: dict[str, Any], with_nginx: bool) -> list[str]:
+    return [_num(r.get("cpu_vs_nginx"), ".2f")] if with_nginx else []
 
 
 def tables(report: dict[str, Any]) -> str:
@@ -887,6 +1086,9 @@ def tables(report: dict[str, Any]) -> str:
     meta = report["meta"]
     rounds = meta["rounds"]
     median = " (medians of the rounds)" if rounds > 1 else ""
+    ran = {r["router"] for kind in ("nonstream", "stream", "idle") for r in res[kind]}
+    nginx = REFERENCE in ran  # the columns of ratios to nginx only when it ran
+    cpu_header = [f"CPU vs {REFERENCE}"] if nginx else []
     parts: list[str] = []
     if summary["nonstream"]:
         rows = [
@@ -897,16 +1099,18 @@ def tables(report: dict[str, Any]) -> str:
                 _num(r["p50_ms"], ".3f"),
                 _num(r["p99_ms"], ".3f"),
                 str(r["errors"]),
-                *_ratios(r, rounds),
+                *_ratios(r, rounds, nginx),
                 _num(r.get("server_cpu_us_per_req"), ",.0f"),
+                *_cpu_vs_nginx(r, nginx),
                 _num(r.get("aux_busy"), ".0%"),
             ]
             for r in sorted(
                 summary["nonstream"], key=lambda r: (r["concurrency"], _order(r["router"]))
             )
         ]
-        header = ["router", "conc", "req/s", "p50 ms", "p99 ms", "errors", *_ratio_header(rounds),
-                  "server CPU us/req", "aux core busy"]  # fmt: skip
+        header = ["router", "conc", "req/s", "p50 ms", "p99 ms", "errors",
+                  *_ratio_header(rounds, nginx), "server CPU us/req", *cpu_header,
+                  "aux core busy"]  # fmt: skip
         title = f"### Non-streaming POST /v1/completions{median}"
         parts.append(title + "\n\n" + _md(header, rows))
     if summary["stream"]:
@@ -921,15 +1125,16 @@ def tables(report: dict[str, Any]) -> str:
                 _num(r["p50_ms"], ".3f"),
                 _num(r["p99_ms"], ".3f"),
                 str(r["errors"]),
-                *_ratios(r, rounds),
+                *_ratios(r, rounds, nginx),
                 _num(r.get("server_cpu_us_per_chunk"), ",.1f"),
+                *_cpu_vs_nginx(r, nginx),
                 _num(r.get("aux_busy"), ".0%"),
             ]
             for r in sorted(summary["stream"], key=lambda r: _order(r["router"]))
         ]
         header = ["router", "streams", "chunks/s", "answers/s", "TTFB p50 ms", "TTFB p99 ms",
-                  "whole p50 ms", "whole p99 ms", "errors", *_ratio_header(rounds),
-                  "server CPU us/chunk", "aux core busy"]  # fmt: skip
+                  "whole p50 ms", "whole p99 ms", "errors", *_ratio_header(rounds, nginx),
+                  "server CPU us/chunk", *cpu_header, "aux core busy"]  # fmt: skip
         pace = meta["stream_interval_ms"]
         how = f"one every {pace} ms" if pace else "written at once by the backend"
         title = f"### Streaming: {meta['stream_tokens']} SSE events per answer, {how}{median}"
@@ -945,6 +1150,7 @@ def tables(report: dict[str, Any]) -> str:
                 _num(max(r["rss_open_kib"], r["rss_held_kib"]) / mib, ",.1f"),
                 _num(r["kib_per_stream"], ",.1f"),
                 _num(r.get("vs_baseline"), ".2f"),
+                *([_num(r.get("vs_nginx"), ".2f")] if nginx else []),
                 f"{r['fds_held']:,} ({r['fds_peak']:,})",
                 _num(r.get("hold_router_cpu_us_per_chunk"), ",.0f"),
                 _num(r["rss_after_kib"] / mib, ",.1f"),
@@ -953,7 +1159,8 @@ def tables(report: dict[str, Any]) -> str:
             for r in sorted(res["idle"], key=lambda r: _order(r["router"]))
         ]
         header = ["router", "streams held", "open s", "RSS before MiB", "RSS held MiB",
-                  "KiB per stream", f"vs {BASELINE}", "fds held (peak)", "CPU us/chunk held",
+                  "KiB per stream", f"vs {BASELINE}", *([f"vs {REFERENCE}"] if nginx else []),
+                  "fds held (peak)", "CPU us/chunk held",
                   "RSS after MiB", "upstream streams left open"]  # fmt: skip
         title = (
             f"### Idle streams: one token every {meta['idle_interval_ms'] / 1000:g} s, RSS of the "
@@ -981,7 +1188,8 @@ def _csv_routers(text: str) -> list[str]:
 
 def parse_args(argv: list[str] | None) -> argparse.Namespace:
     parser = argparse.ArgumentParser(
-        description="pdproxy vs. vllm-router vs. sglang-router (P/D, round robin), one core each."
+        description="pdproxy vs. vllm-router vs. sglang-router and nginx (P/D, round robin), one "
+        "core each."
     )
     add = parser.add_argument
     add("--duration", type=float, default=10.0, help="measured seconds per load run (default 10)")
@@ -990,7 +1198,8 @@ def parse_args(argv: list[str] | None) -> argparse.Namespace:
         help="non-streaming connection counts (default 1,64,256)")  # fmt: skip
     add("--routers", type=_csv_routers, default=list(DEFAULT_ROUTERS),
         help=f"routers to run, in order, among {','.join(ROUTERS)} (default "
-        f"{','.join(DEFAULT_ROUTERS)}; pdproxy-compiled needs `make compiled` first)")  # fmt: skip
+        f"{','.join(DEFAULT_ROUTERS)}; pdproxy-compiled needs `make compiled` first; nginx, "
+        "the C reference, is Debian's package, fetched on first use)")  # fmt: skip
     add("--stream-tokens", type=positive_int, default=256, help="SSE events per streamed answer")
     add(
         "--stream-interval-ms",

@@ -5,14 +5,20 @@ from __future__ import annotations
 import os
 import subprocess
 import time
+from pathlib import Path
 from typing import IO
 
 
 def run_install_step(
-    argv: list[str], out: IO[bytes], deadline: float, error: type[Exception], what: str
+    argv: list[str],
+    out: IO[bytes],
+    deadline: float,
+    error: type[Exception],
+    what: str,
+    cwd: Path | None = None,
 ) -> None:
-    """Run `argv` to completion before `deadline` (time.monotonic()), output to `out`;
-    `error` with a message naming `what` when it runs out of time or fails."""
+    """Run `argv` (in `cwd`, if given) to completion before `deadline` (time.monotonic()),
+    output to `out`; `error` with a message naming `what` when it runs out of time or fails."""
     remaining = deadline - time.monotonic()
     if remaining <= 0:
         raise error(f"{what} ran out of time before {' '.join(argv[:5])}")
@@ -21,6 +27,7 @@ def run_install_step(
     try:
         subprocess.run(
             argv,
+            cwd=cwd,
             stdin=subprocess.DEVNULL,
             stdout=out,
             stderr=subprocess.STDOUT,

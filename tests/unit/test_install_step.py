@@ -48,3 +48,9 @@ def test_a_step_past_the_deadline_is_stopped_or_not_started(log: IO[bytes]) -> N
         run_install_step(argv, log, time.monotonic() + 0.5, StepError, "test install")
     with pytest.raises(StepError, match="test install ran out of time"):
         run_install_step(argv, log, time.monotonic() - 1, StepError, "test install")
+
+
+def test_a_step_runs_in_the_directory_it_is_given(log: IO[bytes], tmp_path: Path) -> None:
+    argv = [sys.executable, "-c", "import os; print(os.getcwd())"]
+    run_install_step(argv, log, time.monotonic() + 60, StepError, "test install", cwd=tmp_path)
+    assert str(tmp_path).encode() in logged(log)
