@@ -99,7 +99,7 @@ def test_exported_names_follow_the_metric_types() -> None:
     assert "pdproxy_requests_total" in EXPORTED
     assert "pdproxy_requests" not in EXPORTED  # a counter is only exported with _total
     assert EXPORTED["pdproxy_request_duration_seconds_bucket"] == {"endpoint", "le"}
-    assert EXPORTED["pdproxy_inflight_requests"] == {"role", "instance"}
+    assert EXPORTED["pdproxy_inflight_legs"] == {"role", "upstream"}
 
 
 def test_every_panel_queries_something() -> None:
@@ -123,7 +123,7 @@ def test_queries_name_only_exported_metrics_and_labels(expr: str) -> None:
 def test_the_check_catches_a_misspelt_metric() -> None:
     metrics, _, _ = referenced("sum(rate(pdproxy_request_total[5m]))")
     assert metrics - set(EXPORTED) == {"pdproxy_request_total"}
-    _, labels, _ = referenced('sum by (pod) (pdproxy_inflight_requests{rol="P"})')
+    _, labels, _ = referenced('sum by (pod) (pdproxy_inflight_legs{rol="P"})')
     assert labels == {"pod", "rol"}
 
 
@@ -139,7 +139,7 @@ def test_the_dashboard_covers_every_metric_family() -> None:
 # Label values pdproxy draws from fixed sets, by (metric, label).
 ENUMS: dict[tuple[str, str], set[str]] = {
     ("pdproxy_registry_instances", "role"): {r.value for r in Role},
-    ("pdproxy_inflight_requests", "role"): {r.value for r in Role},
+    ("pdproxy_inflight_legs", "role"): {r.value for r in Role},
     ("pdproxy_upstream_errors_total", "role"): {r.value for r in Role},
     ("pdproxy_requests_total", "endpoint"): {
         *COMPLETION_PATHS,
@@ -152,8 +152,6 @@ ENUMS: dict[tuple[str, str], set[str]] = {
         *PASSTHROUGH_PATHS,
         UNKNOWN_LABEL,
     },
-    # "saturated" is the one kind the dashboard singles out: the proxy's own congestion.
-    ("pdproxy_upstream_errors_total", "kind"): {"saturated"},
 }
 
 
@@ -176,8 +174,8 @@ def test_label_values_in_matchers_are_ones_pdproxy_uses() -> None:
             assert value in allowed, f'{metric}{{{label}="{value}"}} can never match'
             checked += 1
     assert checked >= 5
-    bad = list(matchers('pdproxy_inflight_requests{role="P"}'))
-    assert bad == [("pdproxy_inflight_requests", "role", "P")]
+    bad = list(matchers('pdproxy_inflight_legs{role="P"}'))
+    assert bad == [("pdproxy_inflight_legs", "role", "P")]
     assert "P" not in ENUMS[bad[0][:2]]
 
 
@@ -246,7 +244,7 @@ def test_a_live_scrape_matches_the_registry(fleet_factory: FleetFactory) -> None
     used = set().union(*(referenced(e)[0] for e in expressions()))
     assert used - set(seen) <= {
         "pdproxy_upstream_errors_total",
-        "pdproxy_instance_circuit",
+        "pdproxy_upstream_circuit_state",
         "pdproxy_discovery_watch_restarts_total",
     }
 

@@ -781,6 +781,8 @@ def test_optional_objects_target_the_proxy(rendered: Rendered) -> None:
         (endpoint,) = monitor["spec"]["endpoints"]
         assert endpoint["port"] in {p["name"] for p in rendered.http_service["spec"]["ports"]}
         assert endpoint["path"] == "/metrics"
+        # No pdproxy series has an `instance` label to keep: the target's label stands.
+        assert "honorLabels" not in endpoint
         assert monitor["spec"]["namespaceSelector"]["matchNames"] == [NAMESPACE]
     spec = container(deployment, "pdproxy")
     fleet_labels = [d["spec"]["template"]["metadata"]["labels"] for d in rendered.fleet()]
