@@ -118,7 +118,7 @@ class Metrics:
             self.exposed = CollectorRegistry()
             MultiProcessCollector(self.exposed, shared_dir)  # type: ignore[no-untyped-call]
         r = self.registry
-        # The metrics every request updates (requests, the three latencies, admitted): with
+        # The metrics every request updates (requests, the four latencies, admitted): with
         # several workers prometheus_client's values, which go to the shared files; in one
         # process lock-free local values (local_metrics.py), registered in their place, and the
         # definitions below, unregistered, only say what they are.
@@ -145,6 +145,13 @@ class Metrics:
         self.decode_first_byte = Histogram(
             "pdproxy_decode_first_byte_seconds",
             "Time from sending the decode leg to its first body byte.",
+            buckets=_LATENCY_BUCKETS,
+            registry=hot,
+        )
+        self.time_to_first_token = Histogram(
+            "pdproxy_time_to_first_token_seconds",
+            "Streamed completion requests: from their arrival to the first body byte relayed "
+            "to the client (queueing, prefill and the decode's first byte together).",
             buckets=_LATENCY_BUCKETS,
             registry=hot,
         )
@@ -367,6 +374,12 @@ class Metrics:
         else:
             self._local.decode_first_byte.observe(seconds)
 
+    def first_token_sent(self, seconds: float) -> None:
+        if self._local is None:
+            self.time_to_first_token.observe(seconds)
+        else:
+            self._local.time_to_first_token.observe(seconds)
+
     def set_admitted(self, count: int) -> None:
         if self._local is None:
             self.admitted.set(count)
@@ -455,10 +468,18 @@ class _LocalValues:
         self.request_duration = LocalHistogram(metrics.request_duration, time.time)
         prefill = LocalHistogram(metrics.prefill_duration, time.time)
         decode_first_byte = LocalHistogram(metrics.decode_first_byte, time.time)
+        first_token = LocalHistogram(metrics.time_to_first_token, time.time)
         self.prefill = prefill.series(())
         self.decode_first_byte = decode_first_byte.series(())
+        self.time_to_first_token = first_token.series(())
         # Registered in the order of their definitions; the admitted gauge comes later.
-        self.first = (self.requests, self.request_duration, prefill, decode_first_byte)
+        self.first = (
+            self.requests,
+            self.request_duration,
+            prefill,
+            decode_first_byte,
+            first_token,
+        )
         self.admitted: LocalGauge  # set once its definition exists
 
 

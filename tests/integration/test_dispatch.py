@@ -226,8 +226,12 @@ def test_metrics_after_traffic(fleet: LocalFleet, client: openai.OpenAI) -> None
     before = metric_value(
         fleet.proxy_url, "pdproxy_requests_total", {"endpoint": "/v1/completions", "status": "200"}
     )
+    # The stream's time to first token was observed; a whole answer has none.
+    first_tokens = metric_value(fleet.proxy_url, "pdproxy_time_to_first_token_seconds_count")
+    assert first_tokens >= 1
     client.completions.create(model=MODEL, prompt="count me", max_tokens=1)
     url = fleet.proxy_url
+    assert metric_value(url, "pdproxy_time_to_first_token_seconds_count") == first_tokens
     after = metric_value(
         url, "pdproxy_requests_total", {"endpoint": "/v1/completions", "status": "200"}
     )
