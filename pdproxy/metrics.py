@@ -3,10 +3,11 @@
 Names are `pdproxy_*` in base units (seconds, bytes) and say what they count (legs are not
 requests). Label names are one word each: `role` (prefill, decode), `upstream` (an instance's
 http address; never `instance`, which Prometheus sets to the scraped target), `prefill` and
-`decode` (a pair's two upstreams), `reason` (what kind of failure or refusal). Label values
-come from bounded sets (endpoint, status class, role, reason enums) or from registered
-instances, whose labels are removed when the instance leaves, so label cardinality is bounded
-by the registry cap (in one process; see below for several).
+`decode` (a pair's two upstreams), `reason` (what kind of failure or refusal), `outcome` (how
+something ended, success included). Label values come from bounded sets (endpoint, status
+class, role, reason enums) or from registered instances, whose labels are removed when the
+instance leaves, so label cardinality is bounded by the registry cap (in one process; see below
+for several).
 
 With several HTTP workers (`--workers`), every process writes its values to files in one
 directory (prometheus_client's multiprocess mode) and /metrics, whichever worker answers, sums
