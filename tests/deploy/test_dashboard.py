@@ -38,6 +38,7 @@ SUFFIXES = {
 # PromQL words the dashboard may use besides metric names.
 PROMQL_WORDS = {
     "sum",
+    "max",
     "rate",
     "by",
     "histogram_quantile",
