@@ -71,7 +71,7 @@ def test_a_live_scrape_passes_promtool_and_is_documented(
         pytest.fail(f"promtool is needed to check /metrics and could not be set up: {exc}")
     assert (code, said.strip()) == (0, ""), f"promtool check metrics complains:\n{said}"
 
-    families = [f for f in text_string_to_metric_families(text.decode())]
+    families = list(text_string_to_metric_families(text.decode()))
     assert families and all(f.name.startswith("pdproxy_") for f in families)
     # The text format gives a counter's or histogram's _created series a family of its own
     # (the reference notes them once for all).
