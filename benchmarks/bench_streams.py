@@ -166,7 +166,7 @@ def decode_inflight(proxy_url: str) -> float:
     return sum(
         float(line.rpartition(" ")[2])
         for line in body.decode().splitlines()
-        if line.startswith("pdproxy_inflight_requests{") and 'role="decode"' in line
+        if line.startswith("pdproxy_inflight_legs{") and 'role="decode"' in line
     )
 
 

@@ -1,9 +1,13 @@
 """Every Prometheus metric pdproxy exports, defined once, on a registry the app owns.
 
-Names are `pdproxy_*` in base units (seconds, bytes). Label values come from bounded sets
-(endpoint, status class, role, reason enums) or from registered instances, whose labels are
-removed when the instance leaves, so label cardinality is bounded by the registry cap (in one
-process; see below for several).
+Names are `pdproxy_*` in base units (seconds, bytes) and say what they count (legs are not
+requests). Label names are one word each: `role` (prefill, decode), `upstream` (an instance's
+http address; never `instance`, which Prometheus sets to the scraped target), `prefill` and
+`decode` (a pair's two upstreams), `reason` (what kind of failure or refusal), `outcome` (how
+something ended, success included). Label values come from bounded sets (endpoint, status
+class, role, reason enums) or from registered instances, whose labels are removed when the
+instance leaves, so label cardinality is bounded by the registry cap (in one process; see below
+for several).
 
 With several HTTP workers (`--workers`), every process writes its values to files in one
 directory (prometheus_client's multiprocess mode) and /metrics, whichever worker answers, sums
@@ -31,7 +35,7 @@ from pdproxy.local_metrics import LocalCounter, LocalGauge, LocalHistogram
 from pdproxy.pairing.planner import Unpaired
 from pdproxy.registry.kv_stats import COUNTED_OUTCOMES, TransferRecord
 from pdproxy.registry.messages import Reason, TransferOutcome
-from pdproxy.reliability.failures import FAILURES, RETRIED_KINDS
+from pdproxy.reliability.failures import FAILURES, RETRIED_KINDS, FailureKind, Origin
 from pdproxy.reliability.outlier import CIRCUIT_LEVEL, Circuit
 
 # Latency buckets from sub-millisecond proxy overhead to multi-minute prefills of long prompts.
@@ -85,11 +89,19 @@ DECODE_REFUSED = "decode_refused"
 KV_ORPHAN_REASONS = (DECODE_REFUSED,)
 
 
-# pdproxy_inflight_requests: a gauge with several workers, else read by _InflightCollector.
+# pdproxy_inflight_legs: a gauge with several workers, else read by _InflightCollector.
 _INFLIGHT = (
-    "pdproxy_inflight_requests",
-    "Legs in flight, by role and instance (http address).",
-    ("role", "instance"),
+    "pdproxy_inflight_legs",
+    "Legs in flight, by role and upstream (the instance's http address).",
+    ("role", "upstream"),
+)
+# Read from the outlier detector at scrape time (_CircuitCollector); the gauge only defines it.
+_CIRCUIT = (
+    "pdproxy_upstream_circuit_state",
+    "Outlier state of upstreams that failed lately: 0 closed, 1 half-open (on probation), 2 "
+    "open (ejected). Upstreams never seen failing are not listed. With several workers, the "
+    "state seen by the worker that answered the scrape.",
+    ("upstream",),
 )
 
 
@@ -107,7 +119,7 @@ class Metrics:
             self.exposed = CollectorRegistry()
             MultiProcessCollector(self.exposed, shared_dir)  # type: ignore[no-untyped-call]
         r = self.registry
-        # The metrics every request updates (requests, the three latencies, admitted): with
+        # The metrics every request updates (requests, the four latencies, admitted): with
         # several workers prometheus_client's values, which go to the shared files; in one
         # process lock-free local values (local_metrics.py), registered in their place, and the
         # definitions below, unregistered, only say what they are.
@@ -134,6 +146,13 @@ class Metrics:
         self.decode_first_byte = Histogram(
             "pdproxy_decode_first_byte_seconds",
             "Time from sending the decode leg to its first body byte.",
+            buckets=_LATENCY_BUCKETS,
+            registry=hot,
+        )
+        self.time_to_first_token = Histogram(
+            "pdproxy_time_to_first_token_seconds",
+            "Streamed completion requests: from their arrival to the first body byte relayed "
+            "to the client (queueing, prefill and the decode's first byte together).",
             buckets=_LATENCY_BUCKETS,
             registry=hot,
         )
@@ -170,8 +189,18 @@ class Metrics:
         )
         self.upstream_errors = Counter(
             "pdproxy_upstream_errors",
-            "Failed legs, by role (prefill/decode) and kind (connect, timeout, status_5xx...).",
-            ["role", "kind"],
+            "Legs failed by their upstream or the exchange with it, by role and reason "
+            "(connect, timeout, status_5xx...). The proxy's own saturation is counted in "
+            "pdproxy_saturated_legs_total instead.",
+            ["role", "reason"],
+            registry=r,
+        )
+        self.saturated_legs = Counter(
+            "pdproxy_saturated_legs",
+            "Legs the proxy could not send for its own lack of capacity (no free upstream "
+            "connection slot, no descriptor or port left), by role: answered 503, no upstream "
+            "blamed.",
+            ["role"],
             registry=r,
         )
         self.discovery_watch_restarts = Counter(
@@ -199,7 +228,7 @@ class Metrics:
         self.retries = Counter(
             "pdproxy_retries",
             "Attempts retried after a leg failed before the client saw a byte, by the failed "
-            "leg's role and the failure's kind.",
+            "leg's role and the failure's reason.",
             ["role", "reason"],
             registry=r,
         )
@@ -267,7 +296,7 @@ class Metrics:
             multiprocess_mode="livemostrecent",
         )
         self.kv_orphaned = Counter(
-            "pdproxy_kv_orphaned",
+            "pdproxy_kv_orphaned_prefills",
             "Prefill legs whose KV no decode took, by reason (decode_refused: the prefill "
             "succeeded, then the decode answered 4xx; its KV was pushed or held for nothing).",
             ["reason"],
@@ -280,8 +309,10 @@ class Metrics:
         for reason in REFUSALS:
             self.refused.labels(reason)
         for role in Role:
-            for kind in FAILURES:
-                self.upstream_errors.labels(role, kind.value)
+            for kind, policy in FAILURES.items():
+                if policy.origin is Origin.UPSTREAM:
+                    self.upstream_errors.labels(role, kind.value)
+            self.saturated_legs.labels(role)
             for kind in sorted(RETRIED_KINDS):
                 self.retries.labels(role, kind.value)
         for outcome in ("ok", "failed"):
@@ -296,6 +327,10 @@ class Metrics:
             self.registry_messages.labels("rejected", reason.value)
         self._departed: set[str] = set()
         self._kv_pairs: set[tuple[str, str]] = set()
+        # Upstream circuits: none until the proxy's outlier detector is watched.
+        self.circuit = Gauge(*_CIRCUIT, registry=None)
+        self._circuit_states = _CircuitCollector(dict)
+        self.exposed.register(self._circuit_states)
 
     def kv_transfer_counted(self, record: TransferRecord, pair: tuple[str, str] | None) -> None:
         """Count one transfer. `pair` (prefill, decode) is given only when both instances are
@@ -339,6 +374,12 @@ class Metrics:
             self.decode_first_byte.observe(seconds)
         else:
             self._local.decode_first_byte.observe(seconds)
+
+    def first_token_sent(self, seconds: float) -> None:
+        if self._local is None:
+            self.time_to_first_token.observe(seconds)
+        else:
+            self._local.time_to_first_token.observe(seconds)
 
     def set_admitted(self, count: int) -> None:
         if self._local is None:
@@ -407,7 +448,14 @@ class Metrics:
     def watch_circuits(self, circuits: Callable[[], Mapping[str, Circuit]]) -> None:
         """Export each instance's circuit (0 closed, 1 half-open, 2 open), read at scrape
         time from the outlier detector, so it never outlives the instance."""
-        self.exposed.register(_CircuitCollector(circuits))
+        self._circuit_states.circuits = circuits
+
+    def leg_failed(self, role: Role, kind: FailureKind) -> None:
+        """Count a leg's failure: an upstream error, or the proxy's own saturation."""
+        if FAILURES[kind].origin is Origin.LOCAL:
+            self.saturated_legs.labels(role).inc()
+        else:
+            self.upstream_errors.labels(role, kind.value).inc()
 
     def render(self) -> bytes:
         return generate_latest(self.exposed)
@@ -421,10 +469,18 @@ class _LocalValues:
         self.request_duration = LocalHistogram(metrics.request_duration, time.time)
         prefill = LocalHistogram(metrics.prefill_duration, time.time)
         decode_first_byte = LocalHistogram(metrics.decode_first_byte, time.time)
+        first_token = LocalHistogram(metrics.time_to_first_token, time.time)
         self.prefill = prefill.series(())
         self.decode_first_byte = decode_first_byte.series(())
+        self.time_to_first_token = first_token.series(())
         # Registered in the order of their definitions; the admitted gauge comes later.
-        self.first = (self.requests, self.request_duration, prefill, decode_first_byte)
+        self.first = (
+            self.requests,
+            self.request_duration,
+            prefill,
+            decode_first_byte,
+            first_token,
+        )
         self.admitted: LocalGauge  # set once its definition exists
 
 
@@ -439,7 +495,7 @@ class _Legs:
 
 
 class _InflightCollector(Collector):
-    """pdproxy_inflight_requests of one process, read from the leg counts at scrape time."""
+    """pdproxy_inflight_legs of one process, read from the leg counts at scrape time."""
 
     def __init__(
         self, legs: Mapping[tuple[str, str], _Legs], series: Iterable[tuple[str, str]]
@@ -465,23 +521,18 @@ class _InflightCollector(Collector):
 
 class _CircuitCollector(Collector):
     def __init__(self, circuits: Callable[[], Mapping[str, Circuit]]) -> None:
-        self._circuits = circuits
+        self.circuits = circuits
 
     def describe(self) -> list[Metric]:
         return [self._family()]
 
     def collect(self) -> Iterable[Metric]:
         family = self._family()
-        for instance, circuit in sorted(self._circuits().items()):
-            family.add_metric([instance], CIRCUIT_LEVEL[circuit])
+        for upstream, circuit in sorted(self.circuits().items()):
+            family.add_metric([upstream], CIRCUIT_LEVEL[circuit])
         return [family]
 
     @staticmethod
     def _family() -> GaugeMetricFamily:
-        return GaugeMetricFamily(
-            "pdproxy_instance_circuit",
-            "Outlier state of instances that failed lately: 0 closed, 1 half-open (on "
-            "probation), 2 open (ejected). Instances never seen failing are not listed. With "
-            "several workers, the state seen by the worker that answered the scrape.",
-            labels=["instance"],
-        )
+        name, documentation, labels = _CIRCUIT
+        return GaugeMetricFamily(name, documentation, labels=labels)

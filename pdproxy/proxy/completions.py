@@ -62,7 +62,7 @@ class CompletionsEndpoint:
         client_id = client.request_id
         task = asyncio.current_task(self._loop)
         assert task is not None
-        exchange = Exchange(scope, receive, send, client_id, task)
+        exchange = Exchange(scope, receive, send, client_id, task, started)
         try:
             if scope["method"] != "POST":
                 raise ProxyError(405, f"method {scope['method']} not allowed; use POST")

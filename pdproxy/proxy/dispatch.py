@@ -447,6 +447,8 @@ class Dispatcher:
                 chunk = await stream.next_chunk()
                 leg.answered = bool(chunk)
                 self._first_byte(exchange, started)
+                # The client's first token leaves now: the request's time to first token.
+                self._metrics.first_token_sent(time.perf_counter() - exchange.arrived)
                 deadline.reschedule(None)
                 await exchange.start_stream(stream.status, stream.content_type)
                 leg.waiting, leg.limit = "next chunk", settings.stream_idle_timeout

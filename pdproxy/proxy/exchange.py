@@ -96,9 +96,11 @@ class Exchange:
         send: Any,
         echo_id: bytes | None,
         task: asyncio.Task[Any],
+        arrived: float,
     ) -> None:
         # The request's task, looked up once: its deadlines cancel it (see proxy.deadline).
         self.task = task
+        self.arrived = arrived  # time.perf_counter() when the request came in
         self._scope = scope
         self._receive = receive
         self._send = send

@@ -95,7 +95,7 @@ class LegLease:
         rotation = self._rotation
         if not self._settled:
             self._settled = True
-            rotation.metrics.upstream_errors.labels(self.role, kind.value).inc()
+            rotation.metrics.leg_failed(self.role, kind)
             if FAILURES[kind].blames_instance:
                 rotation.failed(self.role, self.instance, self.began)
         return leg_failed(

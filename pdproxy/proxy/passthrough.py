@@ -140,7 +140,7 @@ class PassThroughEndpoint:
         client = read_client_headers(scope["headers"])
         task = asyncio.current_task(self._loop)
         assert task is not None
-        exchange = Exchange(scope, receive, send, client.request_id, task)
+        exchange = Exchange(scope, receive, send, client.request_id, task, started)
         try:
             method: str = scope["method"]
             if method not in _METHODS:

@@ -3,8 +3,9 @@
 Each kind says where it came from (Envoy's distinction between local and upstream failures:
 `saturated` is the proxy's own congestion, no instance's fault), whether another instance may
 be tried instead, whether it counts against the instance's health, and what the client hears.
-The values are metric labels (pdproxy_upstream_errors, pdproxy_retries) and error codes: they
-are part of the API.
+The values are metric labels (the `reason` of pdproxy_upstream_errors and pdproxy_retries; a
+local kind is counted in pdproxy_saturated_legs instead) and error codes: they are part of the
+API.
 """
 
 from __future__ import annotations

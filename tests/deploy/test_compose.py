@@ -126,7 +126,8 @@ def test_prometheus_scrapes_the_proxy() -> None:
     (static,) = job["static_configs"]
     assert static["targets"] == [f"pdproxy:{proxy_settings().port}"]
     assert job["metrics_path"] == "/metrics"
-    assert job["honor_labels"] is True  # keep pdproxy_inflight_requests' own `instance`
+    # pdproxy's series carry no `instance` label of their own: Prometheus' wins untouched.
+    assert "honor_labels" not in job
 
 
 def _mounts(service: str) -> dict[str, Path]:
@@ -162,5 +163,7 @@ def test_grafana_provisions_the_datasource_and_the_dashboard() -> None:
     assert _in_container(mounts, home) == dashboards / "pdproxy.json"
     # The dashboard's data source variable defaults to the provisioned uid.
     dashboard = yaml.safe_load((dashboards / "pdproxy.json").read_text(encoding="utf-8"))
-    (variable,) = dashboard["templating"]["list"]
-    assert variable["current"]["value"] == datasource["uid"]
+    variables = {v["name"]: v for v in dashboard["templating"]["list"]}
+    assert variables["datasource"]["current"]["value"] == datasource["uid"]
+    # The demo's series have no pod label: the pod variable's All must still match them.
+    assert variables["pod"]["allValue"] == ".*" and variables["pod"]["includeAll"]

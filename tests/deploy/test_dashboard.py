@@ -26,8 +26,11 @@ from tests.deploy.support import REPO
 DASHBOARD: dict[str, Any] = json.loads(
     (REPO / "deploy" / "grafana" / "dashboards" / "pdproxy.json").read_text(encoding="utf-8")
 )
-# What Prometheus adds to every scraped series, and the histogram bucket label.
-TARGET_LABELS = {"job", "instance"}
+# What Prometheus adds to every scraped series (pod: from Kubernetes service discovery, as a
+# ServiceMonitor's scrape sets it).
+TARGET_LABELS = {"job", "instance", "pod"}
+# The dashboard's variables, and the matcher each metric selector carries for each.
+VARIABLES = {"job": 'job=~"$job"', "pod": 'pod=~"$pod"'}
 SUFFIXES = {
     "counter": ("_total", "_created"),
     "histogram": ("_bucket", "_sum", "_count", "_created"),
@@ -35,6 +38,7 @@ SUFFIXES = {
 # PromQL words the dashboard may use besides metric names.
 PROMQL_WORDS = {
     "sum",
+    "max",
     "rate",
     "by",
     "histogram_quantile",
@@ -99,7 +103,7 @@ def test_exported_names_follow_the_metric_types() -> None:
     assert "pdproxy_requests_total" in EXPORTED
     assert "pdproxy_requests" not in EXPORTED  # a counter is only exported with _total
     assert EXPORTED["pdproxy_request_duration_seconds_bucket"] == {"endpoint", "le"}
-    assert EXPORTED["pdproxy_inflight_requests"] == {"role", "instance"}
+    assert EXPORTED["pdproxy_inflight_legs"] == {"role", "upstream"}
 
 
 def test_every_panel_queries_something() -> None:
@@ -123,7 +127,7 @@ def test_queries_name_only_exported_metrics_and_labels(expr: str) -> None:
 def test_the_check_catches_a_misspelt_metric() -> None:
     metrics, _, _ = referenced("sum(rate(pdproxy_request_total[5m]))")
     assert metrics - set(EXPORTED) == {"pdproxy_request_total"}
-    _, labels, _ = referenced('sum by (pod) (pdproxy_inflight_requests{rol="P"})')
+    _, labels, _ = referenced('sum by (pod) (pdproxy_inflight_legs{rol="P"})')
     assert labels == {"pod", "rol"}
 
 
@@ -139,7 +143,7 @@ def test_the_dashboard_covers_every_metric_family() -> None:
 # Label values pdproxy draws from fixed sets, by (metric, label).
 ENUMS: dict[tuple[str, str], set[str]] = {
     ("pdproxy_registry_instances", "role"): {r.value for r in Role},
-    ("pdproxy_inflight_requests", "role"): {r.value for r in Role},
+    ("pdproxy_inflight_legs", "role"): {r.value for r in Role},
     ("pdproxy_upstream_errors_total", "role"): {r.value for r in Role},
     ("pdproxy_requests_total", "endpoint"): {
         *COMPLETION_PATHS,
@@ -152,8 +156,6 @@ ENUMS: dict[tuple[str, str], set[str]] = {
         *PASSTHROUGH_PATHS,
         UNKNOWN_LABEL,
     },
-    # "saturated" is the one kind the dashboard singles out: the proxy's own congestion.
-    ("pdproxy_upstream_errors_total", "kind"): {"saturated"},
 }
 
 
@@ -169,6 +171,9 @@ def test_label_values_in_matchers_are_ones_pdproxy_uses() -> None:
     checked = 0
     for expr in expressions():
         for metric, label, value in matchers(expr):
+            if label in VARIABLES:
+                assert value == f"${label}", (metric, label, value)
+                continue
             allowed = ENUMS.get((metric, label))
             if allowed is None:
                 assert label == "status", (metric, label)  # regexes over status codes
@@ -176,9 +181,69 @@ def test_label_values_in_matchers_are_ones_pdproxy_uses() -> None:
             assert value in allowed, f'{metric}{{{label}="{value}"}} can never match'
             checked += 1
     assert checked >= 5
-    bad = list(matchers('pdproxy_inflight_requests{role="P"}'))
-    assert bad == [("pdproxy_inflight_requests", "role", "P")]
+    bad = list(matchers('pdproxy_inflight_legs{role="P"}'))
+    assert bad == [("pdproxy_inflight_legs", "role", "P")]
     assert "P" not in ENUMS[bad[0][:2]]
+
+
+def test_job_and_pod_are_variables_that_show_everything_by_default() -> None:
+    variables = {v["name"]: v for v in DASHBOARD["templating"]["list"]}
+    for name in VARIABLES:
+        variable = variables[name]
+        assert variable["type"] == "query"
+        assert variable["datasource"]["uid"] == "${datasource}"
+        # All matches series without the label too (the compose demo's have no pod).
+        assert variable["includeAll"] and variable["allValue"] == ".*"
+        assert f", {name})" in variable["query"]["query"]
+        metrics, _, _ = referenced(variable["query"]["query"].replace("label_values", "sum"))
+        assert metrics <= set(EXPORTED)
+    assert "$job" in variables["pod"]["query"]["query"]  # the pods of the chosen jobs
+
+
+def unscoped(expr: str) -> list[str]:
+    """The metric selectors of `expr` that lack a dashboard variable's matcher."""
+    selectors = re.findall(r"pdproxy_\w+(?:\{[^}]*\})?", expr)
+    return [s for s in selectors if not all(m in s for m in VARIABLES.values())]
+
+
+@pytest.mark.parametrize("expr", expressions())
+def test_every_query_is_filtered_by_job_and_pod(expr: str) -> None:
+    assert unscoped(expr) == []
+
+
+def test_the_filter_check_catches_a_missing_variable() -> None:
+    expr = 'sum(rate(pdproxy_requests_total{job=~"$job"}[5m])) / sum(pdproxy_queued_requests)'
+    assert unscoped(expr) == ['pdproxy_requests_total{job=~"$job"}', "pdproxy_queued_requests"]
+
+
+def quantiles_combined(expr: str) -> bool:
+    """Whether `expr` does arithmetic on a histogram_quantile(): quantiles do not add up, so a
+    quantile must be the whole expression."""
+    count = expr.count("histogram_quantile(")
+    if count == 0:
+        return False
+    if count > 1 or not expr.startswith("histogram_quantile("):
+        return True
+    depth = 0
+    for position, char in enumerate(expr):
+        depth += {"(": 1, ")": -1}.get(char, 0)
+        if depth == 0 and char == ")":
+            return position != len(expr) - 1
+    return True
+
+
+@pytest.mark.parametrize("expr", expressions())
+def test_no_query_adds_quantiles(expr: str) -> None:
+    assert not quantiles_combined(expr), expr
+
+
+def test_the_quantile_check_catches_a_sum_of_two() -> None:
+    p50 = "histogram_quantile(0.5, sum by (le) (rate({}_bucket[5m])))"
+    prefill = p50.format("pdproxy_prefill_duration_seconds")
+    decode = p50.format("pdproxy_decode_first_byte_seconds")
+    assert quantiles_combined(f"{prefill} + {decode}")
+    assert quantiles_combined(f"{prefill} * 1000")
+    assert not quantiles_combined(prefill)
 
 
 KV_FAMILIES = {
@@ -246,7 +311,7 @@ def test_a_live_scrape_matches_the_registry(fleet_factory: FleetFactory) -> None
     used = set().union(*(referenced(e)[0] for e in expressions()))
     assert used - set(seen) <= {
         "pdproxy_upstream_errors_total",
-        "pdproxy_instance_circuit",
+        "pdproxy_upstream_circuit_state",
         "pdproxy_discovery_watch_restarts_total",
     }
 

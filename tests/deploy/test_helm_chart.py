@@ -781,6 +781,8 @@ def test_optional_objects_target_the_proxy(rendered: Rendered) -> None:
         (endpoint,) = monitor["spec"]["endpoints"]
         assert endpoint["port"] in {p["name"] for p in rendered.http_service["spec"]["ports"]}
         assert endpoint["path"] == "/metrics"
+        # No pdproxy series has an `instance` label to keep: the target's label stands.
+        assert "honorLabels" not in endpoint
         assert monitor["spec"]["namespaceSelector"]["matchNames"] == [NAMESPACE]
     spec = container(deployment, "pdproxy")
     fleet_labels = [d["spec"]["template"]["metadata"]["labels"] for d in rendered.fleet()]
@@ -1026,6 +1028,71 @@ def test_fleet_example_is_two_prefill_two_decode() -> None:
         for d in rendered.fleet()
     }
     assert replicas == {"prefill": 2, "decode": 2}
+
+
+def _model_volumes(rendered: Rendered) -> list[dict[str, Any]]:
+    """The `models` volume of each fleet Deployment, checked to be mounted as HF_HOME."""
+    volumes = []
+    for deployment in rendered.fleet():
+        vllm = container(deployment, "vllm")
+        (mount,) = [m for m in vllm["volumeMounts"] if m["name"] == "models"]
+        assert env_value(vllm, "HF_HOME")["value"] == mount["mountPath"]
+        (volume,) = [v for v in pod_spec(deployment)["volumes"] if v["name"] == "models"]
+        volumes.append(volume)
+    assert len(volumes) == 2
+    return volumes
+
+
+def _with_model_cache(cache: dict[str, Any]) -> Rendered:
+    fleet = {**VALUE_SETS["fleet-2p2d"]["fleet"], "modelCache": cache}
+    return render({**VALUE_SETS["fleet-2p2d"], "fleet": fleet})
+
+
+def test_the_model_volume_is_an_emptydir_without_a_claim() -> None:
+    rendered = _with_model_cache({"persistentVolumeClaim": {"enabled": False}})
+    assert all(v == {"name": "models", "emptyDir": {}} for v in _model_volumes(rendered))
+    assert rendered.all("PersistentVolumeClaim") == []
+
+
+def test_the_model_volume_can_be_an_existing_claim() -> None:
+    rendered = _with_model_cache({"existingClaim": "weights", "mountPath": "/data/hf"})
+    for volume in _model_volumes(rendered):
+        assert volume == {"name": "models", "persistentVolumeClaim": {"claimName": "weights"}}
+    assert rendered.all("PersistentVolumeClaim") == []  # the operator's: not the chart's
+
+
+def test_the_chart_can_make_the_model_claim() -> None:
+    claim = {"enabled": True, "size": "300Gi", "storageClass": "fast-nfs"}
+    rendered = _with_model_cache({"persistentVolumeClaim": claim})
+    name = f"{rendered.fullname}-models"
+    made = rendered.one("PersistentVolumeClaim", name)
+    assert made["metadata"]["namespace"] == NAMESPACE
+    assert made["spec"] == {
+        "accessModes": ["ReadWriteMany"],  # the default: every fleet pod, on any node
+        "storageClassName": "fast-nfs",
+        "resources": {"requests": {"storage": "300Gi"}},
+    }
+    for volume in _model_volumes(rendered):
+        assert volume == {"name": "models", "persistentVolumeClaim": {"claimName": name}}
+    # No class named: the cluster's default (storageClassName left out, not "").
+    rendered = _with_model_cache({"persistentVolumeClaim": {"enabled": True}})
+    assert "storageClassName" not in rendered.one("PersistentVolumeClaim", name)["spec"]
+    # The fleet example keeps its weights on such a claim.
+    example = render(VALUE_SETS["fleet-2p2d"])
+    assert example.one("PersistentVolumeClaim", name)["spec"]["resources"]["requests"] == {
+        "storage": "100Gi"
+    }
+
+
+def test_an_existing_claim_and_a_made_one_are_refused_together() -> None:
+    with pytest.raises(helm.HelmError) as refused:
+        _with_model_cache({"existingClaim": "weights", "persistentVolumeClaim": {"enabled": True}})
+    assert "set existingClaim or persistentVolumeClaim.enabled, not both" in str(refused.value)
+
+
+def test_no_model_claim_without_the_fleet() -> None:
+    values = {"fleet": {"modelCache": {"persistentVolumeClaim": {"enabled": True}}}}
+    assert render(values).all("PersistentVolumeClaim") == []
 
 
 def test_registry_dns_follows_namespace_and_cluster_domain() -> None:

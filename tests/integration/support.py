@@ -60,12 +60,15 @@ def set_behaviour(worker_url: str, **behaviour: Any) -> None:
 
 
 def metric_value(proxy_url: str, name: str, labels: dict[str, str] | None = None) -> float:
-    """The value of one sample in /metrics, 0.0 when the sample is absent."""
+    """The value of one sample in /metrics, 0.0 when the sample is absent. A label the
+    family's samples never carry is an error, not a silent 0 (a misspelt or renamed label)."""
     status, body = http_get(proxy_url + "/metrics", timeout=5)
     assert status == 200
     wanted = labels or {}
     total = 0.0
     found = False
+    carried: set[str] = set()
+    named = False
     for line in body.decode().splitlines():
         if line.startswith("#") or not line.startswith(name):
             continue
@@ -77,9 +80,13 @@ def metric_value(proxy_url: str, name: str, labels: dict[str, str] | None = None
             item.split("=", 1) for item in label_text.rstrip("}").split(",") if "=" in item
         )
         pairs = {k: v.strip('"') for k, v in pairs.items()}
+        named = True
+        carried |= set(pairs)
         if all(pairs.get(k) == v for k, v in wanted.items()):
             total += float(value)
             found = True
+    unknown = set(wanted) - carried
+    assert not named or not unknown, f"{name} has no label {sorted(unknown)}"
     return total if found else 0.0
 
 

@@ -226,8 +226,12 @@ def test_metrics_after_traffic(fleet: LocalFleet, client: openai.OpenAI) -> None
     before = metric_value(
         fleet.proxy_url, "pdproxy_requests_total", {"endpoint": "/v1/completions", "status": "200"}
     )
+    # The stream's time to first token was observed; a whole answer has none.
+    first_tokens = metric_value(fleet.proxy_url, "pdproxy_time_to_first_token_seconds_count")
+    assert first_tokens >= 1
     client.completions.create(model=MODEL, prompt="count me", max_tokens=1)
     url = fleet.proxy_url
+    assert metric_value(url, "pdproxy_time_to_first_token_seconds_count") == first_tokens
     after = metric_value(
         url, "pdproxy_requests_total", {"endpoint": "/v1/completions", "status": "200"}
     )
@@ -242,7 +246,7 @@ def test_metrics_after_traffic(fleet: LocalFleet, client: openai.OpenAI) -> None
         role = "prefill" if worker.spec.role == "P" else "decode"
         assert (
             metric_value(
-                url, "pdproxy_inflight_requests", {"role": role, "instance": worker.http_address}
+                url, "pdproxy_inflight_legs", {"role": role, "upstream": worker.http_address}
             )
             == 0
         )
@@ -308,7 +312,7 @@ def test_client_disconnect_during_prefill_cancels_it(fleet_factory: FleetFactory
         )
         == 1
     )
-    assert metric_value(fleet.proxy_url, "pdproxy_inflight_requests", {"role": "prefill"}) == 0
+    assert metric_value(fleet.proxy_url, "pdproxy_inflight_legs", {"role": "prefill"}) == 0
 
 
 def test_stream_is_relayed_while_it_is_generated(fleet_factory: FleetFactory) -> None:
@@ -376,11 +380,11 @@ def test_mixed_outcomes_leave_nothing_in_flight(fleet_factory: FleetFactory) -> 
 
     def settled() -> bool:
         counted = metric_value(fleet.proxy_url, "pdproxy_requests_total")
-        inflight = metric_value(fleet.proxy_url, "pdproxy_inflight_requests")
+        inflight = metric_value(fleet.proxy_url, "pdproxy_inflight_legs")
         return counted >= 500 and inflight == 0
 
     wait_until(settled, 10, "every request counted and nothing in flight")
     for worker in fleet.workers:
         role = "prefill" if worker.spec.role == "P" else "decode"
-        labels = {"role": role, "instance": worker.http_address}
-        assert metric_value(fleet.proxy_url, "pdproxy_inflight_requests", labels) == 0
+        labels = {"role": role, "upstream": worker.http_address}
+        assert metric_value(fleet.proxy_url, "pdproxy_inflight_legs", labels) == 0

@@ -210,7 +210,7 @@ def test_request_timeout_is_504(fleet_factory: FleetFactory) -> None:
     set_behaviour(fleet.role("D")[0], delay_ms=3000)
     answer = post_json(fleet.proxy_url + "/v1/completions", GOOD)
     assert_openai_error(answer, 504, "longer than 1s")
-    assert metric_value(fleet.proxy_url, "pdproxy_inflight_requests") == 0
+    assert metric_value(fleet.proxy_url, "pdproxy_inflight_legs") == 0
 
 
 def test_slow_upload_is_408(fleet_factory: FleetFactory) -> None:
@@ -278,7 +278,7 @@ def test_upstream_error_body_is_vllms_own(fleet: LocalFleet) -> None:
 
 def test_errors_are_counted(fleet: LocalFleet) -> None:
     set_behaviour(fleet.role("P")[0], status=500)
-    errors = {"role": "prefill", "kind": "status_5xx"}
+    errors = {"role": "prefill", "reason": "status_5xx"}
     retries = {"role": "prefill", "reason": "status_5xx"}
     before = metric_value(fleet.proxy_url, "pdproxy_upstream_errors_total", errors)
     retried_before = metric_value(fleet.proxy_url, "pdproxy_retries_total", retries)
@@ -341,14 +341,10 @@ def test_saturated_proxy_is_503_not_an_instance_failure(fleet_factory: FleetFact
         sock.close()
     assert_openai_error(answer, 503, "saturated")
     assert answer.headers["retry-after"] == "2"
-    assert (
-        metric_value(
-            fleet.proxy_url,
-            "pdproxy_upstream_errors_total",
-            {"role": "prefill", "kind": "saturated"},
-        )
-        == 1
-    )
+    saturated = {"role": "prefill"}
+    assert metric_value(fleet.proxy_url, "pdproxy_saturated_legs_total", saturated) == 1
+    # The proxy's own congestion is no upstream's error.
+    assert metric_value(fleet.proxy_url, "pdproxy_upstream_errors_total", saturated) == 0
 
 
 def test_a_failure_after_done_still_ends_the_stream_cleanly(fleet_factory: FleetFactory) -> None:

@@ -124,7 +124,7 @@ async def run_load(
 
 def all_idle(fleet: LocalFleet) -> bool:
     url = fleet.proxy_url
-    legs = metric_value(url, "pdproxy_inflight_requests")
+    legs = metric_value(url, "pdproxy_inflight_legs")
     admitted = metric_value(url, "pdproxy_admitted_requests")
     queued = metric_value(url, "pdproxy_queued_requests")
     listed = http_json(url + "/v1/instances")["instances"]

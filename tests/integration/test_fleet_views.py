@@ -68,7 +68,7 @@ def test_expired_instance_labels_are_removed(fleet_factory: FleetFactory) -> Non
     fleet = fleet_factory([WorkerSpec("P"), WorkerSpec("D")], proxy_args=["--ttl", "1.5"])
     assert post_json(fleet.proxy_url + "/v1/completions", GOOD).status == 200
     decode = fleet.role("D")[0]
-    label = f'instance="{decode.http_address}"'
+    label = f'upstream="{decode.http_address}"'
 
     def metrics() -> str:
         return http_get(fleet.proxy_url + "/metrics")[1].decode()

@@ -51,7 +51,7 @@ MAX_GROWTH_WHILE_RELAYING_KIB = 32 * 1024
 # This process holds one socket per stream, the proxy two (client and decode leg) plus pooled
 # prefill connections; the proxy inherits this process's limit.
 FDS_NEEDED = 3 * STREAMS + 1024
-INFLIGHT = "pdproxy_inflight_requests"
+INFLIGHT = "pdproxy_inflight_legs"
 
 
 @dataclass(frozen=True)
@@ -85,7 +85,7 @@ def enough_fds() -> Iterator[None]:
 
 
 def inflight_gauges(proxy_url: str) -> dict[str, float]:
-    """Every pdproxy_inflight_requests sample in /metrics, by its label text."""
+    """Every pdproxy_inflight_legs sample in /metrics, by its label text."""
     status, body = http_get(proxy_url + "/metrics", timeout=5)
     assert status == 200
     samples = {}
@@ -168,7 +168,7 @@ def test_2000_streams_held_open_with_bounded_memory(
     assert len({response_id(r) for r in records}) == STREAMS  # no stream got another's answer
 
     gauges = inflight_gauges(fleet.proxy_url)
-    assert gauges, "no pdproxy_inflight_requests samples at all"
+    assert gauges, "no pdproxy_inflight_legs samples at all"
     wait_for_idle_gauges(fleet.proxy_url)
     rss_after = rss_kib(fleet.proxy.pid)
     assert rss_after - held.rss_held_kib < MAX_GROWTH_WHILE_RELAYING_KIB, (held, rss_after)

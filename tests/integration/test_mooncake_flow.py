@@ -139,7 +139,7 @@ def test_a_bootstrap_server_that_fails_is_a_prefill_failure_of_its_own_kind(
     for _ in range(2):  # one of them starts on the static prefill: its /query fails, retried
         answer = post_json(fleet.proxy_url + path, body)
         assert answer.status == 200, answer.body
-    labels = {"role": "prefill", "kind": "bootstrap_query"}
+    labels = {"role": "prefill", "reason": "bootstrap_query"}
     assert metric_value(fleet.proxy_url, "pdproxy_upstream_errors_total", labels) >= 1
 
 

@@ -303,7 +303,7 @@ def test_a_nixl_prefill_answer_without_kv_transfer_params_is_a_prefill_failure(
         metric_value(
             fleet.proxy_url,
             "pdproxy_upstream_errors_total",
-            {"role": "prefill", "kind": "no_kv_transfer_params"},
+            {"role": "prefill", "reason": "no_kv_transfer_params"},
         )
         == 3  # a misconfigured prefill is retried (here on itself) for the default 3 attempts
     )

@@ -273,7 +273,7 @@ def test_pdproxys_own_paths_are_never_passed_through(open_fleet: LocalFleet, pat
 def test_a_dead_instance_is_retried_on_another_before_any_byte(open_fleet: LocalFleet) -> None:
     [live] = open_fleet.role("D")
     retried = {"role": "decode", "reason": "connect"}
-    failed = {"role": "decode", "kind": "connect"}
+    failed = {"role": "decode", "reason": "connect"}
     before = metric_value(open_fleet.proxy_url, "pdproxy_retries_total", retried)
     for i in range(6):
         answer = post(open_fleet, "/tokenize", {"model": MODEL, "prompt": str(i)}, key=None)

@@ -163,8 +163,8 @@ def test_an_instance_that_keeps_failing_is_ejected_then_probed_back(
         assert post_json(completions(fleet), GOOD).status == 200
     view = instance_view(fleet, bad.http_address)
     assert view["circuit"] == "open" and view["ejections"] == 1, view
-    circuit = {"instance": bad.http_address}
-    assert metric_value(fleet.proxy_url, "pdproxy_instance_circuit", circuit) == 2
+    circuit = {"upstream": bad.http_address}
+    assert metric_value(fleet.proxy_url, "pdproxy_upstream_circuit_state", circuit) == 2
     assert (
         metric_value(fleet.proxy_url, "pdproxy_outlier_ejections_total", {"role": "prefill"}) == 1
     )
@@ -179,7 +179,7 @@ def test_an_instance_that_keeps_failing_is_ejected_then_probed_back(
         assert post_json(completions(fleet), GOOD).status == 200
     assert len(completion_ids(bad)) > seen
     assert instance_view(fleet, bad.http_address)["circuit"] == "closed"
-    assert metric_value(fleet.proxy_url, "pdproxy_instance_circuit", circuit) == 0
+    assert metric_value(fleet.proxy_url, "pdproxy_upstream_circuit_state", circuit) == 0
 
 
 def test_ready_turns_503_when_no_healthy_pair_remains(fleet_factory: FleetFactory) -> None:

@@ -27,7 +27,7 @@ from tests.integration.support import (
 MODEL = "fake-model"
 CONTEXT = 512  # the fakes' --max-model-len, which they announce
 PATHS = ["/v1/completions", "/v1/chat/completions"]
-ORPHANED = "pdproxy_kv_orphaned_total"
+ORPHANED = "pdproxy_kv_orphaned_prefills_total"
 DECODE_REFUSED = {"reason": "decode_refused"}
 
 

@@ -87,6 +87,7 @@ def test_one_process_metrics_show_the_request_updates_in_the_definitions_order()
     metrics.count_request("/health", "200")
     metrics.prefill_done(0.003)
     metrics.decode_first_byte_seen(0.0007)
+    metrics.first_token_sent(0.02)
     metrics.set_admitted(5)
     sample = metrics.registry.get_sample_value
     assert sample("pdproxy_requests_total", {"endpoint": "/v1/completions", "status": "200"}) == 2
@@ -98,11 +99,14 @@ def test_one_process_metrics_show_the_request_updates_in_the_definitions_order()
     assert sample("pdproxy_prefill_duration_seconds_bucket", {"le": "0.0025"}) == 0
     assert sample("pdproxy_prefill_duration_seconds_bucket", {"le": "0.005"}) == 1
     assert sample("pdproxy_decode_first_byte_seconds_bucket", {"le": "0.001"}) == 1
+    assert sample("pdproxy_time_to_first_token_seconds_bucket", {"le": "0.01"}) == 0
+    assert sample("pdproxy_time_to_first_token_seconds_bucket", {"le": "0.025"}) == 1
     assert sample("pdproxy_admitted_requests", {}) == 5
     families = [family.name for family in metrics.registry.collect()]
     order = ["pdproxy_requests", "pdproxy_request_duration_seconds"]
     order += ["pdproxy_prefill_duration_seconds", "pdproxy_decode_first_byte_seconds"]
-    assert families[:4] == order
+    order += ["pdproxy_time_to_first_token_seconds"]
+    assert families[:5] == order
     admitted = families.index("pdproxy_admitted_requests")
     assert families[admitted - 1 : admitted + 2] == [
         "pdproxy_outlier_ejections",

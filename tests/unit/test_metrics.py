@@ -11,7 +11,7 @@ from pdproxy.registry.kv_stats import COUNTED_OUTCOMES, TransferRecord
 
 def value(metrics: Metrics, role: str, instance: str) -> float | None:
     return metrics.registry.get_sample_value(
-        "pdproxy_inflight_requests", {"role": role, "instance": instance}
+        "pdproxy_inflight_legs", {"role": role, "upstream": instance}
     )
 
 

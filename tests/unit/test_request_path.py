@@ -305,7 +305,10 @@ async def test_each_kind_is_answered_blamed_and_retried_per_the_table(
     attempts = 2 if policy.retried else 1
     assert proxy.upstream.calls == [P1.name] * attempts  # no decode leg after a failed prefill
     assert proxy.consecutive_failures(P1) == (attempts if policy.blames_instance else 0)
-    assert proxy.count("pdproxy_upstream_errors_total", role="prefill", kind=kind) == attempts
+    # Each failure counted once: the proxy's own (local) in its family, else as an upstream's.
+    errors = proxy.count("pdproxy_upstream_errors_total", role="prefill", reason=kind)
+    saturated = proxy.count("pdproxy_saturated_legs_total", role="prefill")
+    assert (errors, saturated) == ((0, attempts) if local else (attempts, 0))
     proxy.assert_all_released()
 
 
@@ -329,6 +332,13 @@ async def test_saturated_is_503_and_blames_nobody() -> None:
     assert answer.headers[b"retry-after"] == str(proxy.settings.retry_after_seconds).encode()
     assert proxy.upstream.calls.count(D1.name) == 1  # not retried
     assert all(proxy.consecutive_failures(i) == 0 for i in (P1, P2, D1))
+    # Counted as the proxy's own saturation, never as an upstream error.
+    assert proxy.count("pdproxy_saturated_legs_total", role="decode") == 1
+    errors = proxy.metrics.registry.get_sample_value(
+        "pdproxy_upstream_errors_total", {"role": "decode", "reason": "saturated"}
+    )
+    assert errors is None
+    assert proxy.count("pdproxy_upstream_errors_total", role="decode", reason="connect") == 0
     proxy.assert_all_released()
 
 
@@ -389,7 +399,7 @@ async def test_a_legs_first_outcome_is_the_one_recorded() -> None:
         lease.decode.succeeded()
         lease.decode.failed(FailureKind.RESET, "after the fact")
     assert proxy.consecutive_failures(D1) == 0
-    assert proxy.count("pdproxy_upstream_errors_total", role="decode", kind="reset") == 0
+    assert proxy.count("pdproxy_upstream_errors_total", role="decode", reason="reset") == 0
     proxy.assert_all_released()
 
 

@@ -272,3 +272,13 @@ the extra keys (its side channel comes from VLLM_NIXL_SIDE_CHANNEL_HOST/PORT, se
 {{- end }}
 {{- toJson $config }}
 {{- end }}
+
+{{/* The claim holding the fleet's models: the operator's, else the chart's; empty: none. */}}
+{{- define "pdproxy.modelCacheClaim" -}}
+{{- $cache := .Values.fleet.modelCache -}}
+{{- if $cache.existingClaim -}}
+{{ $cache.existingClaim }}
+{{- else if $cache.persistentVolumeClaim.enabled -}}
+{{ include "pdproxy.fullname" . }}-models
+{{- end -}}
+{{- end }}
