@@ -95,9 +95,15 @@ def responses_prefill(payload: dict[str, Any]) -> None:
 
 
 def messages_prefill(payload: dict[str, Any]) -> None:
-    """`payload` made into a Messages prefill leg: one token, answered whole."""
+    """`payload` made into a Messages prefill leg: one token, answered whole. Extended
+    thinking with a budget goes: vLLM refuses a budget not below max_tokens (unless a NIXL-style
+    `do_remote_decode` is set), and the budget bounds only the sampling (vLLM's
+    thinking_token_budget), not the prompt, so the prefill computes the same KV without it."""
     payload["max_tokens"] = 1
     payload["stream"] = False
+    thinking = payload.get("thinking")
+    if isinstance(thinking, dict) and thinking.get("type") == "enabled":
+        del payload["thinking"]
 
 
 def responses_text(payload: dict[str, Any]) -> tuple[str, Any]:

@@ -58,6 +58,20 @@ def test_a_messages_prefill_leg_is_one_token_unstreamed() -> None:
     assert request.decode_body() == request.body
 
 
+def test_a_messages_prefill_leg_goes_without_a_thinking_budget() -> None:
+    thinking = {"type": "enabled", "budget_tokens": 2048}
+    body = {"model": "m", "max_tokens": 4096, "messages": [], "thinking": thinking}
+    request = parsed(MESSAGES_PATH, body)
+    prefill = orjson.loads(request.prefill_body())
+    assert prefill == {"model": "m", "max_tokens": 1, "messages": [], "stream": False}
+    assert request.decode_body() == request.body  # the decode still thinks within its budget
+    # Disabling thinking may change the prompt (vLLM's reasoning_effort): it stays.
+    off = {**body, "thinking": {"type": "disabled"}}
+    assert orjson.loads(parsed(MESSAGES_PATH, off).prefill_body())["thinking"] == {
+        "type": "disabled"
+    }
+
+
 @pytest.mark.parametrize(
     ("payload", "param"),
     [
