@@ -440,3 +440,32 @@ def test_anthropic_clients_key_header_is_accepted(keyed: LocalFleet) -> None:
     for worker in keyed.workers:
         for leg in worker.requests():
             assert "x-api-key" not in leg["headers"] and "authorization" not in leg["headers"]
+
+
+def test_short_prompts_go_to_the_decode_alone_unchanged(fleet_factory: FleetFactory) -> None:
+    """Below --disagg-min-tokens there is no pair (for a connector whose decode can compute a
+    prompt itself): no tag, no request_id written in."""
+    workers = [spec("P", "nixl"), spec("D", "nixl")]
+    fleet = fleet_factory(workers, ["--disagg-min-tokens", "1000"])
+    [prefill], [decode] = fleet.role("P"), fleet.role("D")
+    response = openai_client(fleet).responses.create(**responses_body())
+    assert response.status == "completed"
+    message = anthropic_client(fleet).messages.create(**sdk(messages_body()))
+    assert message.stop_reason == "max_tokens"
+    assert legs(prefill, RESPONSES) == legs(prefill, MESSAGES) == []
+    [r_leg], [m_leg] = legs(decode, RESPONSES), legs(decode, MESSAGES)
+    assert r_leg["body"] == responses_body() and m_leg["body"] == messages_body()
+    assert parse_request_id(r_leg["headers"]["x-request-id"]) is None
+    assert response.id == f"resp_{r_leg['headers']['x-request-id']}"
+
+
+def test_several_http_workers_serve_both_apis(fleet_factory: FleetFactory) -> None:
+    fleet = fleet_factory([WorkerSpec("P"), WorkerSpec("D")], ["--workers", "2"])
+    for i in range(3):  # each a new connection: either worker may answer
+        text = openai_client(fleet).responses.create(**responses_body(f"w{i}")).output_text
+        assert len(text.split()) == 6
+        message = anthropic_client(fleet).messages.create(**sdk(messages_body(f"w{i}")))
+        assert len(text_of(message).split()) == 6
+    assert len(fleet.role("D")[0].events()["kv_ok"]) == 6
+    refused = post_json(fleet.proxy_url + MESSAGES, messages_body(max_tokens=None))
+    assert refused.status == 400 and refused.json()["type"] == "error"
