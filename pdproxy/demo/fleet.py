@@ -25,7 +25,13 @@ from pdproxy.demo.processes import (
 Announce = Literal["v0", "v1", "static", "none"]
 START_TIMEOUT = 30.0
 # The disaggregated paths (pdproxy.proxy.front's), whose legs the workers record.
-COMPLETION_PATHS = ("/v1/completions", "/v1/chat/completions", "/inference/v1/generate")
+COMPLETION_PATHS = (
+    "/v1/completions",
+    "/v1/chat/completions",
+    "/inference/v1/generate",
+    "/v1/responses",
+    "/v1/messages",
+)
 
 
 @dataclass(frozen=True)

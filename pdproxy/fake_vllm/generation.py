@@ -28,6 +28,8 @@ class Generation:
     stream: bool
     include_usage: bool
     tokens: bool = False  # /inference/v1/generate: token ids in, token ids out
+    # "/v1/responses" or "/v1/messages": chat answered in that API's shape (chat_apis.py)
+    api: str = ""
 
     @property
     def prompt_tokens(self) -> int:

@@ -13,6 +13,14 @@ from aiohttp import web
 
 from pdproxy.base.roles import Role
 from pdproxy.fake_vllm.asyncio_helpers import sleep
+from pdproxy.fake_vllm.chat_apis import (
+    CHAT_API_PATHS,
+    answer_id,
+    error_response,
+    frames,
+    parse_api_generation,
+    whole_answer,
+)
 from pdproxy.fake_vllm.config import WorkerConfig
 from pdproxy.fake_vllm.control import Control
 from pdproxy.fake_vllm.generation import (
@@ -37,7 +45,7 @@ from pdproxy.fake_vllm.load import LoadTracker, Share, vllm_metrics_text
 from pdproxy.fake_vllm.passthrough import Echo
 from pdproxy.fake_vllm.records import RecordedRequest, Records
 from pdproxy.fake_vllm.responses import Envelope, full_response, tokens_response
-from pdproxy.fake_vllm.streaming import SSE_DONE, chunks, sse
+from pdproxy.fake_vllm.streaming import SSE_DONE
 
 MAX_BODY_BYTES = 64 * 1024 * 1024
 
@@ -75,6 +83,8 @@ class FakeWorker:
         app.router.add_post("/v1/completions", self.completions)
         app.router.add_post("/v1/chat/completions", self.chat_completions)
         app.router.add_post(GENERATE_PATH, self.generate_tokens)
+        for path in CHAT_API_PATHS:  # OpenAI's Responses, Anthropic's Messages
+            app.router.add_post(path, self.chat_api)
         app.router.add_get("/v1/models", self.models)
         app.router.add_get("/health", self.health)
         app.router.add_get("/metrics", self.metrics)
@@ -93,6 +103,9 @@ class FakeWorker:
 
     async def generate_tokens(self, request: web.Request) -> web.StreamResponse:
         return await self._generate(request, chat=False, tokens=True)
+
+    async def chat_api(self, request: web.Request) -> web.StreamResponse:
+        return await self._generate(request, chat=True, api=request.path)
 
     async def models(self, request: web.Request) -> web.StreamResponse:
         card = {
@@ -117,7 +130,7 @@ class FakeWorker:
         return json_response(query_answer(self.engine_id, str(self.cfg.kv)))
 
     async def _generate(
-        self, request: web.Request, chat: bool, tokens: bool = False
+        self, request: web.Request, chat: bool, tokens: bool = False, api: str = ""
     ) -> web.StreamResponse:
         header_id = request.headers.get("X-Request-Id")
         # vLLM's ids: cmpl-, chatcmpl-, and generate-tokens- for the token-in/token-out API.
@@ -125,7 +138,7 @@ class FakeWorker:
         response_id = f"{prefix}-{header_id or uuid.uuid4().hex}"
         recorded = RecordedRequest(header_id or response_id, request.path)
         try:
-            return await self._answer(request, chat, tokens, header_id, response_id, recorded)
+            return await self._answer(request, chat, tokens, header_id, response_id, recorded, api)
         except asyncio.CancelledError:
             # handler_cancellation: the client went away (or the server is stopping).
             self.records.add_abort(recorded)
@@ -139,6 +152,7 @@ class FakeWorker:
         header_id: str | None,
         response_id: str,
         recorded: RecordedRequest,
+        api: str = "",
     ) -> web.StreamResponse:
         behaviour = self.control.behaviour
         await sleep(behaviour.delay_s)
@@ -147,20 +161,23 @@ class FakeWorker:
         try:
             body = parse_json_object(await request.read())
             check_model(body, self.cfg.model)
-            if tokens:
+            if api:
+                generation = parse_api_generation(api, body, self.cfg.max_model_len)
+                response_id = answer_id(api, header_id or recorded.record_id, body)
+            elif tokens:
                 generation = parse_token_generation(body, self.cfg.max_model_len)
             else:
                 generation = parse_generation(body, chat, self.cfg.max_model_len)
             params = request_params(body)
         except ApiError as err:
-            return err.response()
+            return error_response(err, api)
         with self.load.occupy(generation.prompt_tokens) as share:
             try:
                 answer_params = await self.kv_handoff.before_first_token(
                     recorded.record_id, header_id, params, generation
                 )
             except ApiError as err:
-                return err.response()
+                return error_response(err, api)
             env = Envelope(response_id, int(time.time()), self.cfg.model)
             drop = behaviour.drop_after_chunks
             if generation.stream:
@@ -184,7 +201,9 @@ class FakeWorker:
             await sleep(self.cfg.token_latency_s)
             share.generated(len(generation.prompts))
         self.records.add("completed", recorded.record_id)
-        if generation.tokens:
+        if generation.api:
+            answer = whole_answer(env, generation)
+        elif generation.tokens:
             answer = tokens_response(env, generation)
         else:
             answer = full_response(env, generation)
@@ -207,14 +226,15 @@ class FakeWorker:
         try:
             await response.prepare(request)
             sent = 0
-            async for chunk in chunks(env, generation, self.cfg.token_latency_s, share.generated):
+            async for frame in frames(env, generation, self.cfg.token_latency_s, share.generated):
                 if sent == drop_after_chunks:
                     _cut(request)
                     self.records.add_abort(recorded)
                     return response
-                await response.write(sse(chunk))
+                await response.write(frame)
                 sent += 1
-            await response.write(SSE_DONE)
+            if not generation.api:  # Responses and Messages streams end with their own event
+                await response.write(SSE_DONE)
         except ConnectionResetError:
             # The peer closed before the handler was cancelled; aiohttp copes with the return.
             self.records.add_abort(recorded)

@@ -1,8 +1,10 @@
-"""POST /v1/completions and /v1/chat/completions: the hot path, as a lean ASGI endpoint.
+"""POST /v1/completions, /v1/chat/completions, /inference/v1/generate, /v1/responses and
+/v1/messages: the hot path, as a lean ASGI endpoint.
 
 Reads and validates the body, hands it to the Dispatcher under the whole-request deadline,
-and guarantees exactly one complete answer whatever happens: OpenAI-shaped errors, no
-tracebacks, and a client that leaves cancels everything it started.
+and guarantees exactly one complete answer whatever happens: errors in the API's own shape
+(Anthropic's on /v1/messages, OpenAI's elsewhere), no tracebacks, and a client that leaves
+cancels everything it started.
 """
 
 from __future__ import annotations
@@ -19,6 +21,7 @@ from pdproxy.http.deadline import Deadline
 from pdproxy.logs import ACCESS_LOGGER, FIELDS
 from pdproxy.metrics import Metrics
 from pdproxy.proxy.admission import Admission
+from pdproxy.proxy.api_bodies import error_shape
 from pdproxy.proxy.dispatch import Dispatcher
 from pdproxy.proxy.errors import ProxyError
 from pdproxy.proxy.exchange import ClientGone, ClientHeaders, Exchange, Scope
@@ -51,6 +54,7 @@ class CompletionsEndpoint:
         self._alarms = alarms
         self._access_log = settings.access_log
         self._max_values = max_values(settings.max_body_bytes)
+        self._shape = error_shape(path)
         # Built in the lifespan, on the loop that serves: current_task(loop) is then a dict
         # lookup, where current_task() first looks the loop up (docs/performance.md, "Loop and
         # task lookups").
@@ -62,7 +66,7 @@ class CompletionsEndpoint:
         client_id = client.request_id
         task = asyncio.current_task(self._loop)
         assert task is not None
-        exchange = Exchange(scope, receive, send, client_id, task, started)
+        exchange = Exchange(scope, receive, send, client_id, task, started, self._shape)
         try:
             if scope["method"] != "POST":
                 raise ProxyError(405, f"method {scope['method']} not allowed; use POST")

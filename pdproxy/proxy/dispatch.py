@@ -105,7 +105,12 @@ class Dispatcher:
 
     def features(self, request: CompletionRequest) -> RequestFeatures:
         return request_features(
-            request.payload, request.model, request.chat, self._prefix_tokens, request.generate
+            request.payload,
+            request.model,
+            request.chat,
+            self._prefix_tokens,
+            request.generate,
+            request.responses,
         )
 
     def new_request_id(self) -> str:
@@ -206,7 +211,7 @@ class Dispatcher:
             request_id = build_request_id(
                 prefill.instance.zmq_address, decode.instance.zmq_address, uid
             )
-            exchange.request_id = request_id
+            exchange.request_id = request.leg_id = request_id
             headers = self.leg_headers(request_id, authorization)
             leg_params: dict[str, Any] | None
             decode_params: dict[str, Any] | None

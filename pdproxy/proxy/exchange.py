@@ -14,14 +14,14 @@ from dataclasses import dataclass
 from typing import Any
 
 from pdproxy.http.server_protocol import DISCONNECT_HOOK
-from pdproxy.proxy.errors import ProxyError, error_body
+from pdproxy.proxy.error_shapes import OPENAI_SHAPE, ErrorShape
+from pdproxy.proxy.errors import ProxyError
 
 Scope = dict[str, Any]
 Message = dict[str, Any]
 Headers = list[tuple[bytes, bytes]]
 
 JSON = b"application/json"
-SSE_DONE = b"data: [DONE]\n\n"
 # How long a failed stream's last event may wait for a client that stopped reading (its
 # write buffer is full); after that the stream is left unfinished and its connection closed.
 LAST_EVENT_SECONDS = 5.0
@@ -97,6 +97,7 @@ class Exchange:
         echo_id: bytes | None,
         task: asyncio.Task[Any],
         arrived: float,
+        shape: ErrorShape = OPENAI_SHAPE,
     ) -> None:
         # The request's task, looked up once: its deadlines cancel it (see proxy.deadline).
         self.task = task
@@ -105,6 +106,7 @@ class Exchange:
         self._receive = receive
         self._send = send
         self._echo_id = echo_id
+        self._shape = shape  # the API's error bodies and events (proxy/error_shapes.py)
         self.status = 0
         self.started = False
         # complete: the client holds a whole answer (a later hang-up is not an abandonment);
@@ -221,7 +223,7 @@ class Exchange:
         )
 
     async def chunk(self, data: bytes) -> None:
-        if data.endswith(SSE_DONE):
+        if self._shape.completes(data):
             # The client holds a whole stream now and may hang up before the upstream's EOF
             # reaches us: that is a completed request, not an abandoned one.
             self.complete = True
@@ -247,23 +249,22 @@ class Exchange:
         await self._send({"type": "http.response.body", "body": body, "more_body": False})
 
     async def fail(self, error: ProxyError) -> None:
-        """Answer with an OpenAI-shaped error, or end a stream already under way with an SSE
-        error event and [DONE] (its status can no longer change). A stream whose [DONE] already
+        """Answer with an error in the API's shape, or end a stream already under way with the
+        API's error event (its status can no longer change). A stream whose last event already
         went out is just closed properly: the client has its whole answer."""
         if self.ended:
             return
         if self._streaming:
             tail = b""
             if not self.complete:
-                error_event = error_body(error.status, error.message, code=error.code)
-                tail = b"data: " + error_event + b"\n\n" + SSE_DONE
+                tail = self._shape.stream_tail(error)
             with contextlib.suppress(Exception):
                 async with asyncio.timeout(LAST_EVENT_SECONDS):  # rare: no Deadline needed
                     await self.end_stream(tail)
             return
         if self.started:  # headers out, body not: nothing valid can follow
             return
-        await self.whole(error.status, JSON, error.body(), error.headers)
+        await self.whole(error.status, JSON, self._shape.body(error), error.headers)
 
 
 def _too_large(limit: int) -> ProxyError:

@@ -1,5 +1,5 @@
 """The front door: the ASGI callable the HTTP server runs: the API key check, then the completion
-endpoints (and vLLM's /inference/v1/generate) straight, then the passed-through paths (vLLM's
+endpoints (and generate, Responses, Messages) straight, then the passed-through paths (vLLM's
 other endpoints, looked up only when the path is no completion path: completions pay nothing for
 them), everything else through FastAPI (and counted).
 
@@ -14,15 +14,24 @@ from collections.abc import Awaitable, Callable, MutableMapping
 from typing import Any
 
 from pdproxy.metrics import Metrics
+from pdproxy.proxy.api_bodies import MESSAGES_PATH, RESPONSES_PATH
 from pdproxy.proxy.completions import CompletionsEndpoint
 from pdproxy.proxy.credentials import Credentials
+from pdproxy.proxy.error_shapes import anthropic_error_body
 from pdproxy.proxy.errors import error_body
 from pdproxy.proxy.exchange import Scope
 from pdproxy.proxy.passthrough import PassThroughEndpoint, is_own_path
 from pdproxy.proxy.request import GENERATE_PATH
 
-# Disaggregated: completions, chat, and vLLM's token-in/token-out generate.
-COMPLETION_PATHS = ("/v1/completions", "/v1/chat/completions", GENERATE_PATH)
+# Disaggregated: completions, chat, vLLM's token-in/token-out generate, OpenAI's Responses and
+# Anthropic's Messages.
+COMPLETION_PATHS = (
+    "/v1/completions",
+    "/v1/chat/completions",
+    GENERATE_PATH,
+    RESPONSES_PATH,
+    MESSAGES_PATH,
+)
 COUNTED_PATHS = frozenset(
     (
         "/health",
@@ -109,7 +118,10 @@ class FrontDoor:
         reason: str,
     ) -> None:
         """Answer before the request reaches an endpoint (its body is never read)."""
-        body = error_body(status, message, code=code)
+        if scope["path"] == MESSAGES_PATH:
+            body = anthropic_error_body(status, message)
+        else:
+            body = error_body(status, message, code=code)
         await send(
             {
                 "type": "http.response.start",
@@ -142,23 +154,34 @@ class _StatusRecorder:
         await self._send(message)
 
 
-_UNAUTHORIZED_MESSAGE = "a valid API key is required (Authorization: Bearer KEY)"
+_UNAUTHORIZED_MESSAGE = "a valid API key is required (Authorization: Bearer KEY, or x-api-key: KEY)"
 _CHALLENGE = ((b"www-authenticate", b'Bearer realm="pdproxy"'),)
 # Several Authorization headers: which one a check reads and which one is forwarded could
 # differ, so the request is refused whatever they say.
 _AMBIGUOUS = "several"
-_AMBIGUOUS_MESSAGE = "a request may carry one Authorization header, not several"
+_AMBIGUOUS_MESSAGE = (
+    "a request may carry one Authorization header and one x-api-key header, not several"
+)
 _AMBIGUOUS_REASON = "ambiguous_authorization"
 
 
 def _authorization(scope: Scope) -> str | None:
-    """The Authorization header, None without one, `_AMBIGUOUS` with several."""
+    """The Authorization header, None without one, `_AMBIGUOUS` with several. Anthropic's
+    clients send their key as `x-api-key`: without an Authorization header it is taken as
+    that key's bearer (it is never forwarded: only Authorization may be)."""
     found: str | None = None
+    api_key: bytes | None = None
     for name, value in scope["headers"]:
         if name == b"authorization":
             if found is not None:
                 return _AMBIGUOUS
             found = value.decode("latin-1")
+        elif name == b"x-api-key":
+            if api_key is not None:
+                return _AMBIGUOUS
+            api_key = value
+    if found is None and api_key is not None:
+        return "Bearer " + api_key.decode("latin-1")
     return found
 
 

@@ -1,6 +1,6 @@
 """The proxy's OpenAPI 3.1 description (GET /openapi.json), written out by hand.
 
-The two completion endpoints bypass FastAPI (the lean hot path), so FastAPI cannot describe
+The disaggregated endpoints bypass FastAPI (the lean hot path), so FastAPI cannot describe
 them; one hand-kept document covers every endpoint instead, and the schemathesis test holds it
 to what the proxy really answers.
 """
@@ -12,6 +12,7 @@ from typing import Any
 from pdproxy import __version__
 
 _ERROR = {"$ref": "#/components/schemas/Error"}
+_ANTHROPIC_ERROR = {"$ref": "#/components/schemas/AnthropicError"}
 _JSON = "application/json"
 
 
@@ -19,7 +20,7 @@ def _answer(description: str, schema: dict[str, Any] | None = None) -> dict[str,
     return {"description": description, "content": {_JSON: {"schema": schema or _ERROR}}}
 
 
-def _errors(*statuses: int) -> dict[str, Any]:
+def _errors(*statuses: int, schema: dict[str, Any] | None = None) -> dict[str, Any]:
     meanings = {
         400: "invalid request (OpenAI-shaped error)",
         401: "API key or admin token missing or wrong",
@@ -35,10 +36,10 @@ def _errors(*statuses: int) -> dict[str, Any]:
         503: "no compatible pair, instances busy, queue timeout or draining (Retry-After)",
         504: "the request took longer than request_timeout",
     }
-    return {str(status): _answer(meanings[status]) for status in statuses}
+    return {str(status): _answer(meanings[status], schema) for status in statuses}
 
 
-_COMPLETION_ERRORS = _errors(400, 401, 404, 408, 413, 422, 429, 502, 503, 504)
+_COMPLETION_STATUSES = (400, 401, 404, 408, 413, 422, 429, 502, 503, 504)
 _INSTANCE_PATH = {
     "name": "name",
     "in": "path",
@@ -48,7 +49,14 @@ _INSTANCE_PATH = {
 }
 
 
-def _completion(summary: str, request: str) -> dict[str, Any]:
+def _completion(
+    summary: str,
+    request: str,
+    ends: str = "data: [DONE]",
+    error: dict[str, Any] | None = None,
+) -> dict[str, Any]:
+    """A disaggregated endpoint; `ends`: its stream's last event; `error`: its error body
+    (OpenAI's unless given)."""
     return {
         "post": {
             "summary": summary,
@@ -59,10 +67,10 @@ def _completion(summary: str, request: str) -> dict[str, Any]:
             "responses": {
                 "200": {
                     "description": "the decode instance's answer, relayed (JSON, or an SSE "
-                    "stream ending with data: [DONE])",
+                    f"stream ending with {ends})",
                     "content": {_JSON: {"schema": {"type": "object"}}, "text/event-stream": {}},
                 },
-                **_COMPLETION_ERRORS,
+                **_errors(*_COMPLETION_STATUSES, schema=error),
             },
         }
     }
@@ -126,6 +134,18 @@ def openapi_document() -> dict[str, Any]:
         "paths": {
             "/v1/completions": _completion("text completion, disaggregated", "Completion"),
             "/v1/chat/completions": _completion("chat completion, disaggregated", "Chat"),
+            "/inference/v1/generate": _completion(
+                "vLLM's token-in/token-out generation, disaggregated", "Generate"
+            ),
+            "/v1/responses": _completion(
+                "OpenAI Responses API, disaggregated", "Responses", "event: response.completed"
+            ),
+            "/v1/messages": _completion(
+                "Anthropic Messages API, disaggregated",
+                "Messages",
+                "event: message_stop",
+                _ANTHROPIC_ERROR,
+            ),
             "/v1/models": _get("served models", text, 502),
             "/health": _get("the process is up", text),
             "/ready": _get("a healthy compatible pair exists", text, 503),
@@ -173,6 +193,66 @@ def openapi_document() -> dict[str, Any]:
                                 "code": {"type": ["string", "integer", "null"]},
                             },
                         }
+                    },
+                },
+                "AnthropicError": {
+                    "type": "object",
+                    "required": ["type", "error"],
+                    "properties": {
+                        "type": {"const": "error"},
+                        "error": {
+                            "type": "object",
+                            "required": ["type", "message"],
+                            "properties": {
+                                "type": {"type": "string"},
+                                "message": {"type": "string"},
+                            },
+                        },
+                    },
+                },
+                "Generate": {
+                    "type": "object",
+                    "required": ["model", "token_ids", "sampling_params"],
+                    "properties": {
+                        "model": {"type": "string"},
+                        "token_ids": {"type": "array", "items": {"type": "integer"}},
+                        "sampling_params": {"type": "object"},
+                        "stream": {"type": ["boolean", "null"]},
+                    },
+                },
+                "Responses": {
+                    "type": "object",
+                    "required": ["model", "input"],
+                    "properties": {
+                        "model": {"type": "string"},
+                        "input": {"anyOf": [{"type": "string"}, {"type": "array"}]},
+                        "instructions": {"type": ["string", "null"]},
+                        "max_output_tokens": {"type": ["integer", "null"]},
+                        "stream": {"type": ["boolean", "null"]},
+                        "store": {"type": ["boolean", "null"]},
+                        "temperature": {"type": ["number", "null"]},
+                    },
+                },
+                "Messages": {
+                    "type": "object",
+                    "required": ["model", "messages", "max_tokens"],
+                    "properties": {
+                        "model": {"type": "string"},
+                        "max_tokens": {"type": "integer"},
+                        "system": {"type": "string"},
+                        "messages": {
+                            "type": "array",
+                            "items": {
+                                "type": "object",
+                                "required": ["role", "content"],
+                                "properties": {
+                                    "role": {"enum": ["user", "assistant"]},
+                                    "content": {"type": "string"},
+                                },
+                            },
+                        },
+                        "stream": {"type": ["boolean", "null"]},
+                        "temperature": {"type": ["number", "null"]},
                     },
                 },
                 "Completion": {

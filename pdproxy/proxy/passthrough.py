@@ -60,6 +60,7 @@ PASSTHROUGH_PATHS = (
     "/v2/rerank",
     "/tokenize",
     "/detokenize",
+    "/v1/messages/count_tokens",
     "/tokenizer_info",
     "/version",
     "/v1/chat/completions/render",

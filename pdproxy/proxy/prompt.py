@@ -12,6 +12,7 @@ from array import array
 from typing import Any
 
 from pdproxy.pairing.features import PrefixWindow, RequestFeatures
+from pdproxy.proxy.api_bodies import responses_text
 
 CHARS_PER_TOKEN = 4  # English text with the common BPE vocabularies
 # When the client sets no limit: the completions API's default, and a guess for chat, whose
@@ -27,15 +28,26 @@ MAX_PREFIX_WINDOWS = 6
 
 
 def request_features(
-    payload: dict[str, Any], model: str, chat: bool, prefix_tokens: int, generate: bool = False
+    payload: dict[str, Any],
+    model: str,
+    chat: bool,
+    prefix_tokens: int,
+    generate: bool = False,
+    responses: bool = False,
 ) -> RequestFeatures:
     """`prefix_tokens`: how much of the prompt's start identifies its prefix (prefix affinity);
     0 computes no prefix windows. `generate`: vLLM's token-in/token-out body (token_ids, limits
-    in sampling_params)."""
+    in sampling_params). `responses`: a Responses body (instructions and input; its limit
+    max_output_tokens). A chat body may have a top-level `system` (Anthropic's): it leads."""
     if generate:
         return _generate_features(payload, model, prefix_tokens)
+    if responses:
+        return _responses_features(payload, model, prefix_tokens)
     if chat:
         text, ids = _chat_text(payload.get("messages")), None
+        system = payload.get("system")
+        if system is not None:
+            text = f"system\x00{_content_text(system)}\x01{text}"
     else:
         text, ids = _completion_prompt(payload.get("prompt"))
     if ids is not None:
@@ -60,6 +72,24 @@ def _generate_features(payload: dict[str, Any], model: str, prefix_tokens: int) 
     windows = _windows(_id_bytes(ids, prefix_tokens), prompt_tokens, prefix_tokens, 8, b"ids")
     sampling = payload.get("sampling_params")
     limit = _limit(sampling if isinstance(sampling, dict) else {}, DEFAULT_CHAT_TOKENS)
+    return RequestFeatures(model, prompt_tokens, prompt_tokens + limit, windows)
+
+
+def _responses_features(payload: dict[str, Any], model: str, prefix_tokens: int) -> RequestFeatures:
+    """Instructions, then the input (a string, or items shaped like chat messages), counted
+    and hashed as chat text is; the limit is max_output_tokens (vLLM's default: until the
+    context is full, guessed as for chat)."""
+    instructions, given = responses_text(payload)
+    text = given if isinstance(given, str) else _chat_text(given)
+    if instructions:
+        text = f"system\x00{instructions}\x01{text}"
+    prompt_tokens = -(-len(text) // CHARS_PER_TOKEN)
+    lead = text[: (prefix_tokens << (MAX_PREFIX_WINDOWS - 1)) * CHARS_PER_TOKEN]
+    windows = _windows(lead, prompt_tokens, prefix_tokens, CHARS_PER_TOKEN, b"text")
+    value = payload.get("max_output_tokens")
+    limit = value if isinstance(value, int) and not isinstance(value, bool) else -1
+    if limit < 0:
+        limit = DEFAULT_CHAT_TOKENS
     return RequestFeatures(model, prompt_tokens, prompt_tokens + limit, windows)
 
 

@@ -14,6 +14,16 @@ from typing import Any
 
 import orjson
 
+from pdproxy.proxy.api_bodies import (
+    MESSAGES_PATH,
+    RESPONSES_ID_FIELD,
+    RESPONSES_PATH,
+    check_messages,
+    check_responses,
+    messages_prefill,
+    responses_leg_id,
+    responses_prefill,
+)
 from pdproxy.proxy.errors import ProxyError, VllmBadRequest, vllm_bad_request
 from pdproxy.proxy.kv_params import PARAMS_FIELD
 
@@ -59,6 +69,12 @@ class CompletionRequest:
     # vLLM's token-in/token-out generate (its limits sit in `sampling_params`): judged once,
     # one comparison per request, read as an attribute by every step that differs.
     generate: bool
+    # OpenAI's Responses API and Anthropic's Messages API (proxy/api_bodies.py), judged alike.
+    responses: bool
+    messages: bool
+    # The tagged request id of the attempt under way (set by the Dispatcher): Responses legs
+    # carry it in their bodies, where vLLM takes that API's engine id from.
+    leg_id: str | None
 
     # Why a hand-written __init__ (not frozen): docs/performance.md, "Dataclass constructors".
     def __init__(
@@ -70,10 +86,14 @@ class CompletionRequest:
         self.model = model
         self.stream = stream
         self.generate = path == GENERATE_PATH
+        self.responses = path == RESPONSES_PATH
+        self.messages = path == MESSAGES_PATH
+        self.leg_id = None
 
     @property
     def chat(self) -> bool:
-        return self.path.endswith("/chat/completions")
+        """A list of chat messages holds the prompt (chat completions, Anthropic messages)."""
+        return self.messages or self.path.endswith("/chat/completions")
 
     def prefill_body(self, kv_transfer_params: dict[str, Any] | None = None) -> bytes:
         """The client's request made into a prefill leg: one token, no stream."""
@@ -83,6 +103,14 @@ class CompletionRequest:
         if self.generate:
             # parse_completion made sure it is an object
             payload[SAMPLING_FIELD] = _one_token(dict(payload[SAMPLING_FIELD]))
+        elif self.responses:
+            responses_prefill(payload)
+            if self.leg_id is not None:
+                payload[RESPONSES_ID_FIELD] = responses_leg_id(self.leg_id)
+            return orjson.dumps(payload)
+        elif self.messages:
+            messages_prefill(payload)
+            return orjson.dumps(payload)
         else:
             _one_token(payload)
         payload["stream"] = False
@@ -92,11 +120,14 @@ class CompletionRequest:
     def decode_body(self, kv_transfer_params: dict[str, Any] | None = None) -> bytes:
         """The client's bytes, unchanged, unless the prefill's KV location must ride along:
         then the same bytes with that one field added before the closing brace (the object
-        has at least `model`, and never this field: parse_completion refused it)."""
+        has at least `model`, and never this field: parse_completion refused it). A Responses
+        leg also gets the tagged id as its `request_id` (which clients may not send either)."""
+        body = self.body
+        if self.responses and self.leg_id is not None:
+            body = _with_field(body, RESPONSES_ID_FIELD, responses_leg_id(self.leg_id))
         if kv_transfer_params is None:
-            return self.body
-        head = self.body.rstrip(b" \t\r\n")[:-1]
-        return b'%s,"%s":%s}' % (head, PARAMS_FIELD.encode(), orjson.dumps(kv_transfer_params))
+            return body
+        return _with_field(body, PARAMS_FIELD, kv_transfer_params)
 
     def context_refusal(self, max_model_len: int) -> bytes | None:
         """vLLM's own 400 body when this request asks for more output tokens than a model of
@@ -108,9 +139,10 @@ class CompletionRequest:
         refuses nothing vLLM would serve; older vLLM refused prompt + max_tokens beyond the
         context, which a prompt of at least one token makes true here too (its words differ).
         Only JSON integers are judged: vLLM also takes "600" or 600.0, and judges those itself.
-        Generate requests are left to vLLM: their limits are another endpoint's words.
+        Generate, Responses and Messages requests are left to vLLM: their limits are other
+        endpoints' words.
         """
-        if self.generate:
+        if self.generate or self.responses or self.messages:
             return None
         param, value = self._output_limit()
         if not isinstance(value, int) or isinstance(value, bool) or value <= max_model_len:
@@ -132,6 +164,13 @@ class CompletionRequest:
         if value is not None:
             return "max_completion_tokens", value
         return "max_tokens", payload.get("max_tokens")
+
+
+def _with_field(body: bytes, name: str, value: object) -> bytes:
+    """The JSON object `body` with `name` added before its closing brace (it holds at least
+    `model`, and never `name`)."""
+    head = body.rstrip(b" \t\r\n")[:-1]
+    return b'%s,"%s":%s}' % (head, name.encode(), orjson.dumps(value))
 
 
 def _one_token(fields: dict[str, Any]) -> dict[str, Any]:
@@ -197,6 +236,10 @@ def parse_completion(
     request = CompletionRequest(path, body, payload, model, bool(stream))
     if request.generate:
         _check_generate(payload)
+    elif request.responses:
+        check_responses(payload)
+    elif request.messages:
+        check_messages(payload)
     return request
 
 

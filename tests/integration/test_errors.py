@@ -125,9 +125,9 @@ def test_chunked_body_over_limit_is_413(fleet: LocalFleet) -> None:
 def test_unknown_path_is_404(fleet: LocalFleet) -> None:
     answer = request(fleet.proxy_url + "/v1/nothing-here", method="GET")
     assert_openai_error(answer, 404)
-    # vLLM serves it, pdproxy does not disaggregate it yet, and it is no pass-through path:
-    # without --passthrough-unknown-paths it stays a 404 (/v1/embeddings is passed through now).
-    answer = request(fleet.proxy_url + "/v1/responses", body=b"{}")
+    # vLLM serves it (for speech models), pdproxy does not disaggregate it, and it is no
+    # pass-through path: without --passthrough-unknown-paths it stays a 404.
+    answer = request(fleet.proxy_url + "/v1/audio/transcriptions", body=b"{}")
     assert_openai_error(answer, 404)
 
 
