@@ -1,0 +1,173 @@
+"""Request migration through a live proxy and fake workers (a causal fake model): a decode that
+dies mid-stream costs the client nothing; its answer equals an uninterrupted run's."""
+
+from __future__ import annotations
+
+import json
+from typing import Any
+
+import pytest
+
+from pdproxy.demo.fleet import LocalFleet, WorkerSpec
+from tests.conftest import FleetFactory
+from tests.integration.support import metric_value, post_json, set_behaviour
+
+MODEL = "fake-model"
+ROUND_ROBIN = ["--prefill-policy", "round_robin", "--decode-policy", "round_robin"]
+TOKENS = 8
+
+
+def events(body: bytes) -> list[bytes]:
+    return [e[len(b"data: ") :] for e in body.split(b"\n\n") if e]
+
+
+def summary(body: bytes, chat: bool) -> dict[str, Any]:
+    """What a client reads from a stream: its ids, text, finish, usage, token ids, [DONE]s."""
+    raw = events(body)
+    chunks = [json.loads(e) for e in raw if e != b"[DONE]"]
+    text, usage = "", None
+    finishes: list[tuple[str, str | None]] = []
+    ids: set[tuple[str, int, str, str]] = set()
+    token_ids: list[int] = []
+    for chunk in chunks:
+        assert "error" not in chunk, chunk
+        ids.add((chunk["id"], chunk["created"], chunk["model"], chunk["object"]))
+        for choice in chunk["choices"]:
+            assert choice["index"] == 0
+            text += (choice["delta"].get("content") or "") if chat else choice["text"]
+            token_ids.extend(choice.get("token_ids") or [])
+            if choice["finish_reason"] is not None:
+                finishes.append((choice["finish_reason"], choice.get("stop_reason")))
+        if chunk.get("usage"):
+            usage = chunk["usage"]
+    assert len(ids) == 1, ids  # one response id and `created` throughout
+    return {
+        "done": raw.count(b"[DONE]"),
+        "last_is_done": raw[-1] == b"[DONE]",
+        "text": text,
+        "finishes": finishes,
+        "usage": usage and {k: usage[k] for k in ("prompt_tokens", "completion_tokens")},
+        "token_ids": token_ids,
+    }
+
+
+def body_of(chat: bool, prompt: str, **extra: Any) -> tuple[str, dict[str, Any]]:
+    payload: dict[str, Any]
+    if chat:
+        payload = {"model": MODEL, "messages": [{"role": "user", "content": prompt}]}
+        payload["max_completion_tokens"] = TOKENS
+        return "/v1/chat/completions", payload | extra
+    payload = {"model": MODEL, "prompt": prompt, "max_tokens": TOKENS}
+    return "/v1/completions", payload | extra
+
+
+def ask(fleet: LocalFleet, path: str, payload: dict[str, Any]) -> bytes:
+    answer = post_json(fleet.proxy_url + path, payload)
+    assert answer.status == 200, answer.body
+    return answer.body
+
+
+@pytest.fixture()
+def fleet(fleet_factory: FleetFactory) -> LocalFleet:
+    return fleet_factory([WorkerSpec("P"), WorkerSpec("D"), WorkerSpec("D")], ROUND_ROBIN)
+
+
+@pytest.mark.parametrize("chat", [False, True], ids=["completions", "chat"])
+def test_a_stream_cut_after_k_chunks_is_whole_and_equal_to_an_uninterrupted_one(
+    fleet: LocalFleet, chat: bool
+) -> None:
+    dropper = fleet.role("D")[0]
+    options = {"stream": True, "stream_options": {"include_usage": True}}
+    migrated = 0.0
+    # Chat streams open with a role chunk: k counts it too.
+    for k in (1, 2, 5, TOKENS if not chat else TOKENS + 1):
+        for prompt, ask_ids in (("the quick brown fox", False), ("a different prompt", True)):
+            path, payload = body_of(chat, prompt, **options)
+            if ask_ids:
+                payload["return_token_ids"] = True
+            set_behaviour(dropper.url)
+            whole = summary(ask(fleet, path, payload), chat)
+            set_behaviour(dropper.url, drop_after_chunks=k)
+            # Round robin: one of two requests lands on the dropping decode.
+            cut = [summary(ask(fleet, path, payload), chat) for _ in range(2)]
+            assert cut == [whole, whole], (k, prompt)
+            assert whole["done"] == 1 and whole["last_is_done"]
+            assert whole["finishes"] == [("length", None)]
+            expected_usage = {"prompt_tokens": len(prompt.split()), "completion_tokens": TOKENS}
+            assert whole["usage"] == expected_usage
+            assert bool(whole["token_ids"]) == ask_ids
+            if ask_ids:
+                assert len(whole["token_ids"]) == TOKENS
+        migrated_now = metric_value(
+            fleet.proxy_url, "pdproxy_migrations_total", {"outcome": "completed"}
+        )
+        if k < (TOKENS if not chat else TOKENS + 1):
+            assert migrated_now > migrated, k
+        migrated = migrated_now
+    # Different prompts give different answers (the comparison above can fail).
+    texts = {
+        summary(ask(fleet, *body_of(chat, p, stream=True)), chat)["text"]
+        for p in ("one prompt", "another prompt")
+    }
+    assert len(texts) == 2
+    assert metric_value(fleet.proxy_url, "pdproxy_migration_recomputed_tokens_total") > 0
+
+
+@pytest.mark.parametrize("chat", [False, True], ids=["completions", "chat"])
+def test_a_whole_answer_whose_decode_dies_is_answered_once_and_equal(
+    fleet: LocalFleet, chat: bool
+) -> None:
+    dropper = fleet.role("D")[0]
+    path, payload = body_of(chat, "the quick brown fox")
+    whole = json.loads(ask(fleet, path, payload))
+    set_behaviour(dropper.url, drop_after_chunks=0)
+    for _ in range(2):
+        again = json.loads(ask(fleet, path, payload))
+        assert again["choices"] == whole["choices"]
+        assert again["usage"] == whole["usage"]
+
+
+def test_a_stop_string_over_the_cut_ends_the_answer_where_an_uninterrupted_one_ends(
+    fleet: LocalFleet,
+) -> None:
+    path, payload = body_of(False, "stop here please", stream=True)
+    full = summary(ask(fleet, path, payload), False)["text"]
+    words = full.split()
+    # A stop string made of the end of word 2 and the start of word 3: the cut after two
+    # token chunks falls inside it.
+    stop = f"{words[1][-2:]} {words[2][:2]}"
+    payload["stop"] = [stop]
+    dropper = fleet.role("D")[0]
+    set_behaviour(dropper.url)
+    whole = summary(ask(fleet, path, payload), False)
+    assert whole["finishes"] == [("stop", stop)]
+    set_behaviour(dropper.url, drop_after_chunks=2)
+    before = metric_value(fleet.proxy_url, "pdproxy_migrations_total", {"outcome": "completed"})
+    cut = [summary(ask(fleet, path, payload), False) for _ in range(2)]
+    assert cut == [whole, whole]
+    after = metric_value(fleet.proxy_url, "pdproxy_migrations_total", {"outcome": "completed"})
+    assert after > before
+
+
+def test_a_continuation_that_fails_too_is_migrated_again_within_the_limit(
+    fleet_factory: FleetFactory,
+) -> None:
+    fleet = fleet_factory(
+        [WorkerSpec("P"), WorkerSpec("D"), WorkerSpec("D"), WorkerSpec("D")],
+        [*ROUND_ROBIN, "--migration-limit", "2"],
+    )
+    path, payload = body_of(False, "twice cut", stream=True)
+    whole = summary(ask(fleet, path, payload), False)
+    first, second, good = fleet.role("D")
+    for worker in (first, second):
+        set_behaviour(worker.url, drop_after_chunks=2)
+    answers = [summary(ask(fleet, path, payload), False) for _ in range(3)]
+    assert answers == [whole] * 3
+    # Every dropper is cut too once its limit is spent: the stream ends with an error event.
+    set_behaviour(good.url, drop_after_chunks=1)
+    body = ask(fleet, path, dict(payload, max_tokens=40))
+    raw = events(body)
+    assert raw[-1] == b"[DONE]"
+    assert json.loads(raw[-2])["error"]["code"] == "decode_reset"
+    refused = metric_value(fleet.proxy_url, "pdproxy_migrations_total", {"outcome": "refused"})
+    assert refused >= 1
