@@ -51,8 +51,9 @@ from pdproxy.proxy.migration_plan import (
     asking_token_ids,
     continuation,
     migration_refusal,
+    replays,
 )
-from pdproxy.proxy.migration_stream import MalformedStream, StreamLedger, stops_of
+from pdproxy.proxy.migration_stream import MalformedStream, StreamLedger
 from pdproxy.proxy.prompt import request_features
 from pdproxy.proxy.request import CompletionRequest
 from pdproxy.proxy.rotation import Rotation
@@ -218,8 +219,6 @@ class Dispatcher:
             request.chat,
             payload.get(TOKEN_IDS_FIELD) is True,
             isinstance(options, dict) and bool(options.get("include_usage")),
-            stops_of(payload),
-            bool(payload.get("include_stop_str_in_output")),
             self._settings.max_response_bytes,
         )
 
@@ -238,8 +237,10 @@ class Dispatcher:
         """The request that continues a stream cut by `failure`; None: not migrated (counted
         as refused, except when migration is off for this request)."""
         ledger = exchange.ledger
-        if ledger is None or exchange.complete or failure.role is not Role.DECODE:
+        if ledger is None or exchange.complete:
             return None
+        if failure.role is not Role.DECODE and not ledger.migrations:
+            return None  # (a prefill fails before any byte; a continuation's prefill may)
         following = None
         if (
             ledger.migratable
@@ -251,15 +252,16 @@ class Dispatcher:
         if following is None:
             self._metrics.migrations.labels(failure.kind, "refused").inc()
             return None
-        ledger.cut()
+        generated = len(ledger.generated)
+        # Computed again: the prompt and the tokens before the cut (prefilled, or replayed).
+        self._metrics.migration_recomputed_tokens.inc(len(ledger.prompt_ids or ()) + generated)
+        ledger.cut(replays(original))
         exchange.notes.migrations = ledger.migrations
-        recomputed = len(ledger.prompt_ids or ()) + len(ledger.generated)
-        self._metrics.migration_recomputed_tokens.inc(recomputed)
         log.info(
             "migrating after %s: %d tokens generated, continuing on another pair "
             "(migration %d of at most %d, client id %r)",
             failure.message,
-            len(ledger.generated),
+            generated,
             ledger.migrations,
             self._migration_limit,
             exchange.client_id,
@@ -579,10 +581,6 @@ class Dispatcher:
                 raise leg.failed(FailureKind.PROTOCOL, f"sent {exc}") from None
             if data:
                 await exchange.chunk(data)
-            if ledger.stopped_over_cut:
-                leg.succeeded()
-                await exchange.end_stream(ledger.closing())
-                return
             deadline.reschedule(loop.time() + leg.limit)
             chunk = await stream.next_chunk()
             deadline.reschedule(None)

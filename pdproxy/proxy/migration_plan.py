@@ -5,6 +5,12 @@ A continuation is always a /v1/completions request whose prompt is token ids: th
 prompt's ids followed by every id generated so far, so the new pair computes exactly the
 context the failed decode held (no text is tokenised again), and a greedy request goes on with
 the tokens the uninterrupted run would have produced. Its limits are what is still owed.
+
+With stop strings the continuation is a replay instead: the original prompt's ids alone and the
+original limits, so vLLM checks its stop strings over the whole output (one that spans the cut
+included) and streams the text it held back while waiting to rule one out (up to the longest
+stop string less one character, lost with the failed decode otherwise); the relay takes out
+what the client already holds. It costs generating those tokens again.
 """
 
 from __future__ import annotations
@@ -65,6 +71,8 @@ def migration_refusal(request: CompletionRequest) -> str | None:
             return f"{field} > 1"
     if any(payload.get(field) is not None for field in _STATEFUL):
         return "structured output"
+    if payload.get("echo"):
+        return "echo"  # vLLM echoes no prompt text when asked for token ids
     if request.chat:
         if payload.get("tools") and payload.get("tool_choice") != "none":
             return "tools"
@@ -104,12 +112,21 @@ def output_limit(request: CompletionRequest) -> int | None:
     return value if isinstance(value, int) and not isinstance(value, bool) else None
 
 
+def replays(request: CompletionRequest) -> bool:
+    """Whether a continuation of `request` starts from its prompt again: with stop strings
+    that vLLM checks (and holds text back for) over the whole output."""
+    stop = request.payload.get("stop")
+    return bool(stop) and not request.payload.get("include_stop_str_in_output")
+
+
 def continuation(
     original: CompletionRequest, prompt_ids: list[int], generated: list[int]
 ) -> CompletionRequest | None:
-    """The request that generates what is still owed after `generated`; None when nothing is
-    (the limit is reached)."""
+    """The request that generates what is still owed after `generated` (from the prompt
+    again when `replays`); None when nothing is owed (the limit is reached)."""
     payload = {k: v for k, v in original.payload.items() if k not in _NOT_CONTINUED}
+    if replays(original):
+        generated = []
     limit = output_limit(original)
     if limit is not None:
         owed = limit - len(generated)

@@ -35,30 +35,27 @@ class StreamLedger:
         chat: bool,
         client_wants_ids: bool,
         include_usage: bool,
-        stops: tuple[str, ...],
-        include_stop: bool,
         max_event_bytes: int,
     ) -> None:
         self.chat = chat
         self._strip_ids = not client_wants_ids
         self._include_usage = include_usage
-        self._stops = stops
-        self._include_stop = include_stop
         self._max_event = max_event_bytes
-        self._tail_size = max((len(stop) for stop in stops), default=1) - 1
         self._buffer = b""
         self.prompt_ids: list[int] | None = None
         self.generated: list[int] = []
-        self.chars_sent = 0  # text characters the client has (completions' text_offset)
+        self.chars_sent = 0  # text characters the client has
+        self._next_offset = 0  # the next token's completions text_offset (logprobs)
         self.finished = False  # the choice's finish_reason went out
         self.done = False  # [DONE] went out
         self.migratable = True  # false once a tool call or reasoning went out
-        # A stop string over the cut ended the answer: the continuation's rest is not sent.
-        self.stopped_over_cut = False
         self.migrations = 0
-        self._tail = ""  # the last characters of the text sent, for stops over the cut
-        self._cut_tail = ""  # the tail as it was at the last cut
-        self._since_cut = ""  # the continuation's first characters (as long as a stop can span)
+        # A replayed continuation (migration_plan.continuation) regenerates what the client
+        # has: that many token ids and characters of it are not sent again.
+        self._replay = False
+        self._skip_ids = 0
+        self._skip_chars = 0
+        self._offset_shift = 0
         self._id: Any = None
         self._created: Any = None
         self._model: Any = None
@@ -78,7 +75,7 @@ class StreamLedger:
         self._check_buffer(self._buffer)
         out = []
         for event in whole.split(_EVENT_END)[:-1]:
-            if self.done or self.stopped_over_cut:
+            if self.done:
                 continue
             sent = self._event(event)
             if sent is not None:
@@ -136,7 +133,10 @@ class StreamLedger:
                 choice.pop("token_ids", None)
                 choice.pop("prompt_token_ids", None)
                 changed = True
-            self._sent(_text_of(choice, self.chat))
+            self.chars_sent += len(_text_of(choice, self.chat))
+            logprobs = choice.get("logprobs")
+            if isinstance(logprobs, dict):
+                self._next_offset = _next_offset(logprobs, self._next_offset)
             delta = choice.get("delta")
             if isinstance(delta, dict) and (
                 delta.get("tool_calls") or delta.get("reasoning_content") or delta.get("reasoning")
@@ -146,20 +146,20 @@ class StreamLedger:
                 self.finished = True
         return changed
 
-    def _sent(self, text: str) -> None:
-        if text:
-            self.chars_sent += len(text)
-            if self._tail_size:
-                self._tail = (self._tail + text)[-self._tail_size :]
-
     # -- migrating -------------------------------------------------------------------------
 
-    def cut(self) -> None:
-        """The current decode failed: what arrives next is a continuation's stream."""
+    def cut(self, replay: bool) -> None:
+        """The current decode failed: what arrives next is a continuation's stream, which
+        goes on after the ids generated so far, or (`replay`) starts from the prompt again."""
         self.migrations += 1
         self._buffer = b""
-        self._cut_tail, self._since_cut = self._tail, ""
-        self._before_cut = len(self.generated)
+        self._replay = replay
+        if replay:
+            self._skip_ids, self._skip_chars = len(self.generated), self.chars_sent
+            self._offset_shift, self._before_cut = 0, 0
+        else:
+            self._skip_ids = self._skip_chars = 0
+            self._offset_shift, self._before_cut = self._next_offset, len(self.generated)
 
     def closing(self) -> bytes:
         """What ends a stream whose choice finished but whose upstream did not end it: the
@@ -197,20 +197,26 @@ class StreamLedger:
         choices = []
         for choice in _choices(chunk):
             ids = _ids(choice.get("token_ids") or [])
-            self.generated.extend(ids)
             text = choice.get("text")
             text = text if isinstance(text, str) else ""
-            finish, stop_reason = choice.get("finish_reason"), choice.get("stop_reason")
-            stopped = self._stop_over_cut(text)
-            if stopped is not None:
-                text, stop_reason = stopped
-                finish = "stop"
-                self.stopped_over_cut = True
             logprobs = choice.get("logprobs")
+            finish = choice.get("finish_reason")
+            if self._skip_ids and ids:
+                skipped = min(len(ids), self._skip_ids)
+                self._skip_ids -= skipped
+                ids = ids[skipped:]
+                logprobs = _without_first(logprobs, skipped)
+            if self._skip_chars and text:
+                skipped = min(len(text), self._skip_chars)
+                self._skip_chars -= skipped
+                text = text[skipped:]
+            self.generated.extend(ids)
+            if not ids and not text and finish is None:
+                continue  # all of it replayed what the client has
             if isinstance(logprobs, dict) and isinstance(logprobs.get("text_offset"), list):
-                offsets = logprobs["text_offset"]
-                logprobs["text_offset"] = [o + self.chars_sent for o in offsets]
-            self._sent(text)
+                shift = self._offset_shift
+                logprobs["text_offset"] = [o + shift for o in logprobs["text_offset"]]
+            self.chars_sent += len(text)
             if finish is not None:
                 self.finished = True
             new: dict[str, Any] = {"index": 0}
@@ -220,42 +226,17 @@ class StreamLedger:
                 new["text"] = text
             new["logprobs"] = logprobs
             new["finish_reason"] = finish
-            new["stop_reason"] = stop_reason
+            new["stop_reason"] = choice.get("stop_reason")
             if not self._strip_ids:
                 new["token_ids"] = ids
             choices.append(new)
         out["choices"] = choices
         usage = chunk.get("usage")
-        if isinstance(usage, dict) and not self.stopped_over_cut:
+        if isinstance(usage, dict):
             out["usage"] = self._usage(self._before_cut + _int(usage.get("completion_tokens")))
         elif not choices:
             return None
         return _DATA + orjson.dumps(out) + _EVENT_END
-
-    def _stop_over_cut(self, text: str) -> tuple[str, str] | None:
-        """(the text to send, the stop string) when a stop string that began before the cut
-        ends in `text`; the continuation's server cannot see it (its output starts at the
-        cut)."""
-        cut_tail = self._cut_tail
-        if not cut_tail or len(self._since_cut) >= self._tail_size:
-            return None
-        before = cut_tail + self._since_cut
-        window = before + text
-        best: tuple[int, str] | None = None
-        for stop in self._stops:
-            at = window.find(stop)
-            while 0 <= at < len(cut_tail):
-                if at + len(stop) > len(cut_tail):  # spans the cut
-                    if best is None or at < best[0]:
-                        best = (at, stop)
-                    break
-                at = window.find(stop, at + 1)
-        self._since_cut = (self._since_cut + text)[: self._tail_size]
-        if best is None:
-            return None
-        at, stop = best
-        end = at + len(stop) if self._include_stop else at
-        return window[len(before) : max(end, len(before))], stop
 
 
 def _choices(chunk: dict[str, Any]) -> list[dict[str, Any]]:
@@ -274,6 +255,24 @@ def _text_of(choice: dict[str, Any], chat: bool) -> str:
     return text if isinstance(text, str) else ""
 
 
+def _next_offset(logprobs: dict[str, Any], current: int) -> int:
+    """Where the next token's text_offset starts after these completions logprobs (vLLM
+    advances it by the tokens reported, which text held back for stop strings lags)."""
+    offsets, tokens = logprobs.get("text_offset"), logprobs.get("tokens")
+    if isinstance(offsets, list) and isinstance(tokens, list) and offsets and tokens:
+        last, token = offsets[-1], tokens[-1]
+        if isinstance(last, int) and isinstance(token, str):
+            return last + len(token)
+    return current
+
+
+def _without_first(logprobs: Any, count: int) -> Any:
+    """Completions logprobs without their first `count` tokens' entries."""
+    if not isinstance(logprobs, dict):
+        return logprobs
+    return {k: v[count:] if isinstance(v, list) else v for k, v in logprobs.items()}
+
+
 def _ids(value: Any) -> list[int]:
     if not isinstance(value, list) or not all(
         isinstance(t, int) and not isinstance(t, bool) for t in value
@@ -284,12 +283,3 @@ def _ids(value: Any) -> list[int]:
 
 def _int(value: Any) -> int:
     return value if isinstance(value, int) and not isinstance(value, bool) else 0
-
-
-def stops_of(payload: dict[str, Any]) -> tuple[str, ...]:
-    stop = payload.get("stop")
-    if isinstance(stop, str):
-        return (stop,) if stop else ()
-    if isinstance(stop, list):
-        return tuple(s for s in stop if isinstance(s, str) and s)
-    return ()
