@@ -9,8 +9,10 @@ from typing import Any
 import pytest
 
 from pdproxy.demo.fleet import LocalFleet, WorkerSpec
+from pdproxy.demo.processes import wait_until
 from tests.conftest import FleetFactory
-from tests.integration.support import metric_value, post_json, set_behaviour
+from tests.integration.support import metric_value, open_raw_request, post_json, set_behaviour
+from tests.integration.test_observability import wait_access_lines
 
 MODEL = "fake-model"
 ROUND_ROBIN = ["--prefill-policy", "round_robin", "--decode-policy", "round_robin"]
@@ -171,3 +173,51 @@ def test_a_continuation_that_fails_too_is_migrated_again_within_the_limit(
     assert json.loads(raw[-2])["error"]["code"] == "decode_reset"
     refused = metric_value(fleet.proxy_url, "pdproxy_migrations_total", {"outcome": "refused"})
     assert refused >= 1
+
+
+def test_a_client_that_leaves_during_a_migration_cancels_it(fleet_factory: FleetFactory) -> None:
+    fleet = fleet_factory(
+        [
+            WorkerSpec("P"),
+            WorkerSpec("D", token_latency_ms=100),
+            WorkerSpec("D", token_latency_ms=100),
+        ],
+        [*ROUND_ROBIN, "--log-format", "json"],
+    )
+    decodes = fleet.role("D")
+    for worker in decodes:
+        set_behaviour(worker.url, drop_after_chunks=2)
+    _, payload = body_of(False, "leave me", stream=True, max_tokens=50)
+    sock = open_raw_request(fleet.proxy_url + "/v1/completions", payload)
+    data = b""
+    sock.settimeout(10)
+    while data.count(b'"text"') < 3:  # the third text chunk comes from the continuation
+        received = sock.recv(65536)
+        assert received, data
+        data += received
+    sock.close()
+
+    def both_ended() -> bool:
+        return sum(len(w.events()["aborted"]) for w in decodes) == 2
+
+    wait_until(both_ended, 5, "the cut decode and the continuation's decode to abort")
+    assert all(w.events()["completed"] == [] for w in decodes)
+    assert len(fleet.completion_requests("P")) == 2  # the first prefill, the continuation's
+    (line,) = wait_access_lines(fleet, 1)
+    assert line["outcome"] == "client_gone" and line["migrations"] == 1
+    failed = metric_value(fleet.proxy_url, "pdproxy_migrations_total", {"outcome": "failed"})
+    assert failed == 1
+
+
+def test_the_access_line_counts_migrations(fleet_factory: FleetFactory) -> None:
+    fleet = fleet_factory(
+        [WorkerSpec("P"), WorkerSpec("D"), WorkerSpec("D")], [*ROUND_ROBIN, "--log-format", "json"]
+    )
+    for worker in fleet.role("D"):
+        set_behaviour(worker.url, drop_after_chunks=3)
+    path, payload = body_of(False, "count me", stream=True)
+    # Each decode cuts after 3 chunks: the stream needs two migrations to be whole.
+    answer = summary(ask(fleet, path, payload), False)
+    assert len(answer["text"].split()) == TOKENS
+    (line,) = wait_access_lines(fleet, 1)
+    assert line["outcome"] == "ok" and line["migrations"] == 2
