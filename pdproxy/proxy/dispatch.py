@@ -248,7 +248,7 @@ class Dispatcher:
             and ledger.prompt_ids is not None
             and exchange.deadline > exchange.task.get_loop().time()
         ):
-            following = continuation(original, ledger.prompt_ids, ledger.generated)
+            following = continuation(original, ledger.prompt_ids, ledger.settled())
         if following is None:
             self._metrics.migrations.labels(failure.kind, "refused").inc()
             return None
@@ -422,8 +422,14 @@ class Dispatcher:
                     self._settings.prefill_timeout,
                 )
 
+        # Whether this attempt's decode reached the client: a continuation's stream had started
+        # before it (migration), so there it is the leg's own first chunk.
+        continuing = exchange.started
         refusal = await decode_beside_prefill(
-            prefill(), decode(), lambda: exchange.started, exchange.task.get_loop()
+            prefill(),
+            decode(),
+            (lambda: decode_leg.answered) if continuing else (lambda: exchange.started),
+            exchange.task.get_loop(),
         )
         if refusal is not None:
             # vLLM refused the request (4xx) before the decode answered: its own words.

@@ -2,9 +2,11 @@
 the decode body that asks upstream for token ids, and the continuation request.
 
 A continuation is always a /v1/completions request whose prompt is token ids: the original
-prompt's ids followed by every id generated so far, so the new pair computes exactly the
-context the failed decode held (no text is tokenised again), and a greedy request goes on with
-the tokens the uninterrupted run would have produced. Its limits are what is still owed.
+prompt's ids followed by the ids generated so far, so the new pair computes exactly the context
+the failed decode held (no text is tokenised again), and a greedy request goes on with the
+tokens the uninterrupted run would have produced. Its limits are what is still owed. (The ids
+whose text vLLM had not sent yet, a UTF-8 character still incomplete, are generated again:
+the continuation's own detokenizer then sends their text.)
 
 With stop strings the continuation is a replay instead: the original prompt's ids alone and the
 original limits, so vLLM checks its stop strings over the whole output (one that spans the cut

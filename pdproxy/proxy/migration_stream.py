@@ -45,14 +45,15 @@ class StreamLedger:
         self.prompt_ids: list[int] | None = None
         self.generated: list[int] = []
         self.chars_sent = 0  # text characters the client has
-        self._next_offset = 0  # the next token's completions text_offset (logprobs)
+        # Output tokens whose text the client has in full: vLLM sends no text for a token
+        # that ends inside a UTF-8 character (nor for tokens after it) until one completes it.
+        self._settled = 0
         self.finished = False  # the choice's finish_reason went out
         self.done = False  # [DONE] went out
         self.migratable = True  # false once a tool call or reasoning went out
         self.migrations = 0
         # A replayed continuation (migration_plan.continuation) regenerates what the client
         # has: that many token ids and characters of it are not sent again.
-        self._replay = False
         self._skip_ids = 0
         self._skip_chars = 0
         self._offset_shift = 0
@@ -133,10 +134,10 @@ class StreamLedger:
                 choice.pop("token_ids", None)
                 choice.pop("prompt_token_ids", None)
                 changed = True
-            self.chars_sent += len(_text_of(choice, self.chat))
-            logprobs = choice.get("logprobs")
-            if isinstance(logprobs, dict):
-                self._next_offset = _next_offset(logprobs, self._next_offset)
+            text = _text_of(choice, self.chat)
+            if text:
+                self.chars_sent += len(text)
+                self._settled = len(self.generated)
             delta = choice.get("delta")
             if isinstance(delta, dict) and (
                 delta.get("tool_calls") or delta.get("reasoning_content") or delta.get("reasoning")
@@ -148,18 +149,22 @@ class StreamLedger:
 
     # -- migrating -------------------------------------------------------------------------
 
+    def settled(self) -> list[int]:
+        """The output ids a continuation goes on from: those whose text the client has. The
+        ids after them are generated again (their text was pending when the decode failed)."""
+        return self.generated[: self._settled]
+
     def cut(self, replay: bool) -> None:
         """The current decode failed: what arrives next is a continuation's stream, which
-        goes on after the ids generated so far, or (`replay`) starts from the prompt again."""
+        goes on after the settled ids, or (`replay`) starts from the prompt again."""
         self.migrations += 1
         self._buffer = b""
-        self._replay = replay
         if replay:
             self._skip_ids, self._skip_chars = len(self.generated), self.chars_sent
             self._offset_shift, self._before_cut = 0, 0
         else:
-            self._skip_ids = self._skip_chars = 0
-            self._offset_shift, self._before_cut = self._next_offset, len(self.generated)
+            self._skip_ids, self._skip_chars = len(self.generated) - self._settled, 0
+            self._offset_shift, self._before_cut = self.chars_sent, self._settled
 
     def closing(self) -> bytes:
         """What ends a stream whose choice finished but whose upstream did not end it: the
@@ -188,6 +193,8 @@ class StreamLedger:
 
     def _continued(self, chunk: dict[str, Any]) -> bytes | None:
         """A continuation chunk as part of the original answer (None: nothing to send)."""
+        if "error" in chunk:
+            return _DATA + orjson.dumps(chunk) + _EVENT_END  # the instance's own error event
         out: dict[str, Any] = {
             "id": self._id,
             "object": "chat.completion.chunk" if self.chat else "text_completion",
@@ -211,6 +218,8 @@ class StreamLedger:
                 self._skip_chars -= skipped
                 text = text[skipped:]
             self.generated.extend(ids)
+            if text:
+                self._settled = len(self.generated)
             if not ids and not text and finish is None:
                 continue  # all of it replayed what the client has
             if isinstance(logprobs, dict) and isinstance(logprobs.get("text_offset"), list):
@@ -253,17 +262,6 @@ def _text_of(choice: dict[str, Any], chat: bool) -> str:
     else:
         text = choice.get("text")
     return text if isinstance(text, str) else ""
-
-
-def _next_offset(logprobs: dict[str, Any], current: int) -> int:
-    """Where the next token's text_offset starts after these completions logprobs (vLLM
-    advances it by the tokens reported, which text held back for stop strings lags)."""
-    offsets, tokens = logprobs.get("text_offset"), logprobs.get("tokens")
-    if isinstance(offsets, list) and isinstance(tokens, list) and offsets and tokens:
-        last, token = offsets[-1], tokens[-1]
-        if isinstance(last, int) and isinstance(token, str):
-            return last + len(token)
-    return current
 
 
 def _without_first(logprobs: Any, count: int) -> Any:

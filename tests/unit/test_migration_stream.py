@@ -185,3 +185,17 @@ def test_a_stream_cut_after_its_last_token_is_closed_with_usage_and_done() -> No
     assert closing[0]["usage"]["completion_tokens"] == 1
     assert closing[0]["usage"]["prompt_tokens"] == 2
     assert closing[-1] == b"[DONE]" and book.done
+
+
+def test_ids_whose_text_was_pending_are_generated_again_and_their_text_sent() -> None:
+    book = ledger(wants_ids=True)
+    book.feed(event(chunk(" a", [11], prompt_token_ids=[1])))
+    book.feed(event(chunk("", [12])))  # a token ending inside a UTF-8 character: no text yet
+    assert book.settled() == [11]
+    book.cut(replay=False)
+    out = book.feed(event(chunk("\u00e9", [12])) + event(chunk(" b", [13], "length")))
+    sent = parsed(out)
+    # The id the client has is not sent twice; the character it completes is sent once.
+    assert [c["choices"][0]["text"] for c in sent] == ["\u00e9", " b"]
+    assert [c["choices"][0]["token_ids"] for c in sent] == [[], [13]]
+    assert book.generated == [11, 12, 13]
