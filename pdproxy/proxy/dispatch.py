@@ -537,8 +537,9 @@ class Dispatcher:
                     raise leg.failed(kind, _answered(stream.status, body))
                 if not request.stream:
                     # vLLM sends a whole answer's headers once it is ready: from here on a
-                    # retry would compute it twice.
-                    leg.answered = True
+                    # retry would compute it twice, which is what migration (when on) is for:
+                    # the client has nothing yet and is owed the whole answer.
+                    leg.answered = not self._migration_limit
                     body = await stream.read_all(settings.max_response_bytes)
                     self._first_byte(exchange, started)
                     deadline.reschedule(None)

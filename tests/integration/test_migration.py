@@ -129,6 +129,20 @@ def test_a_whole_answer_whose_decode_dies_is_answered_once_and_equal(
         assert again["usage"] == whole["usage"]
 
 
+@pytest.mark.parametrize("chat", [False, True], ids=["completions", "chat"])
+def test_a_whole_answer_cut_while_it_is_received_is_run_again(
+    fleet: LocalFleet, chat: bool
+) -> None:
+    dropper = fleet.role("D")[0]
+    path, payload = body_of(chat, "cut me in half")
+    whole = json.loads(ask(fleet, path, payload))
+    set_behaviour(dropper.url, truncate_whole=True)
+    for _ in range(2):
+        again = json.loads(ask(fleet, path, payload))
+        assert again["choices"] == whole["choices"] and again["usage"] == whole["usage"]
+    assert metric_value(fleet.proxy_url, "pdproxy_retries_total", {"role": "decode"}) == 1
+
+
 def test_a_stop_string_over_the_cut_ends_the_answer_where_an_uninterrupted_one_ends(
     fleet: LocalFleet,
 ) -> None:
