@@ -4,11 +4,13 @@ dies mid-stream costs the client nothing; its answer equals an uninterrupted run
 from __future__ import annotations
 
 import json
-from typing import Any
+from collections.abc import Callable
+from functools import partial
+from typing import Any, TypeVar
 
 import pytest
 
-from pdproxy.demo.fleet import LocalFleet, WorkerSpec
+from pdproxy.demo.fleet import LocalFleet, Worker, WorkerSpec
 from pdproxy.demo.processes import wait_until
 from tests.conftest import FleetFactory
 from tests.integration.support import metric_value, open_raw_request, post_json, set_behaviour
@@ -16,7 +18,28 @@ from tests.integration.test_observability import wait_access_lines
 
 MODEL = "fake-model"
 ROUND_ROBIN = ["--prefill-policy", "round_robin", "--decode-policy", "round_robin"]
+# The decode that cuts every stream would be ejected after a few cuts in a row: these tests
+# want it to keep taking requests.
+KEEP_CUTTER = ["--outlier-consecutive-failures", "1000"]
 TOKENS = 8
+MAX_TRIES = 8
+_T = TypeVar("_T")
+
+
+def aborted(worker: Worker) -> Callable[[], float]:
+    return lambda: float(len(worker.events()["aborted"]))
+
+
+def until_cut(ask_once: Callable[[], _T], cuts: Callable[[], float]) -> list[_T]:
+    """Answers to the same request until one was cut (`cuts()` grew): the policy spreads
+    requests over the decodes, one of which cuts them."""
+    before = cuts()
+    answers = []
+    for _ in range(MAX_TRIES):
+        answers.append(ask_once())
+        if cuts() > before:
+            return answers
+    raise AssertionError(f"none of {MAX_TRIES} requests reached the decode that cuts")
 
 
 def events(body: bytes) -> list[bytes]:
@@ -69,9 +92,15 @@ def ask(fleet: LocalFleet, path: str, payload: dict[str, Any]) -> bytes:
     return answer.body
 
 
+def answered(fleet: LocalFleet, path: str, payload: dict[str, Any], chat: bool) -> dict[str, Any]:
+    return summary(ask(fleet, path, payload), chat)
+
+
 @pytest.fixture()
 def fleet(fleet_factory: FleetFactory) -> LocalFleet:
-    return fleet_factory([WorkerSpec("P"), WorkerSpec("D"), WorkerSpec("D")], ROUND_ROBIN)
+    return fleet_factory(
+        [WorkerSpec("P"), WorkerSpec("D"), WorkerSpec("D")], [*ROUND_ROBIN, *KEEP_CUTTER]
+    )
 
 
 @pytest.mark.parametrize("chat", [False, True], ids=["completions", "chat"])
@@ -90,9 +119,8 @@ def test_a_stream_cut_after_k_chunks_is_whole_and_equal_to_an_uninterrupted_one(
             set_behaviour(dropper.url)
             whole = summary(ask(fleet, path, payload), chat)
             set_behaviour(dropper.url, drop_after_chunks=k)
-            # Round robin: one of two requests lands on the dropping decode.
-            cut = [summary(ask(fleet, path, payload), chat) for _ in range(2)]
-            assert cut == [whole, whole], (k, prompt)
+            cut = until_cut(partial(answered, fleet, path, payload, chat), aborted(dropper))
+            assert cut == [whole] * len(cut), (k, prompt)
             assert whole["done"] == 1 and whole["last_is_done"]
             assert whole["finishes"] == [("length", None)]
             expected_usage = {"prompt_tokens": len(prompt.split()), "completion_tokens": TOKENS}
@@ -123,8 +151,7 @@ def test_a_whole_answer_whose_decode_dies_is_answered_once_and_equal(
     path, payload = body_of(chat, "the quick brown fox")
     whole = json.loads(ask(fleet, path, payload))
     set_behaviour(dropper.url, drop_after_chunks=0)
-    for _ in range(2):
-        again = json.loads(ask(fleet, path, payload))
+    for again in until_cut(lambda: json.loads(ask(fleet, path, payload)), aborted(dropper)):
         assert again["choices"] == whole["choices"]
         assert again["usage"] == whole["usage"]
 
@@ -137,10 +164,12 @@ def test_a_whole_answer_cut_while_it_is_received_is_run_again(
     path, payload = body_of(chat, "cut me in half")
     whole = json.loads(ask(fleet, path, payload))
     set_behaviour(dropper.url, truncate_whole=True)
-    for _ in range(2):
-        again = json.loads(ask(fleet, path, payload))
+
+    def retries() -> float:
+        return metric_value(fleet.proxy_url, "pdproxy_retries_total", {"role": "decode"})
+
+    for again in until_cut(lambda: json.loads(ask(fleet, path, payload)), retries):
         assert again["choices"] == whole["choices"] and again["usage"] == whole["usage"]
-    assert metric_value(fleet.proxy_url, "pdproxy_retries_total", {"role": "decode"}) == 1
 
 
 def test_a_stop_string_over_the_cut_ends_the_answer_where_an_uninterrupted_one_ends(
@@ -159,8 +188,8 @@ def test_a_stop_string_over_the_cut_ends_the_answer_where_an_uninterrupted_one_e
     assert whole["finishes"] == [("stop", stop)]
     set_behaviour(dropper.url, drop_after_chunks=2)
     before = metric_value(fleet.proxy_url, "pdproxy_migrations_total", {"outcome": "completed"})
-    cut = [summary(ask(fleet, path, payload), False) for _ in range(2)]
-    assert cut == [whole, whole]
+    cut = until_cut(lambda: summary(ask(fleet, path, payload), False), aborted(dropper))
+    assert cut == [whole] * len(cut)
     after = metric_value(fleet.proxy_url, "pdproxy_migrations_total", {"outcome": "completed"})
     assert after > before
 
@@ -235,3 +264,19 @@ def test_the_access_line_counts_migrations(fleet_factory: FleetFactory) -> None:
     assert len(answer["text"].split()) == TOKENS
     (line,) = wait_access_lines(fleet, 1)
     assert line["outcome"] == "ok" and line["migrations"] == 2
+
+
+def test_requests_that_are_not_migrated_end_as_without_migration(fleet: LocalFleet) -> None:
+    """Tools (the chat answer's parser runs in the server): the stream is relayed byte for
+    byte and a cut ends it with the error event, as with migration off."""
+    dropper = fleet.role("D")[0]
+    set_behaviour(dropper.url, drop_after_chunks=2)
+    tools = [{"type": "function", "function": {"name": "f", "parameters": {"type": "object"}}}]
+    path, payload = body_of(True, "call a tool", stream=True, tools=tools)
+    answers = until_cut(lambda: events(ask(fleet, path, payload)), aborted(dropper))
+    assert all(raw[-1] == b"[DONE]" for raw in answers)
+    codes = [json.loads(raw[-2]).get("error", {}).get("code") for raw in answers]
+    assert codes == [None] * (len(codes) - 1) + ["decode_reset"]
+    refused = metric_value(fleet.proxy_url, "pdproxy_migrations_total", {"outcome": "refused"})
+    completed = metric_value(fleet.proxy_url, "pdproxy_migrations_total", {"outcome": "completed"})
+    assert (refused, completed) == (0, 0)  # not migratable up front: nothing to count

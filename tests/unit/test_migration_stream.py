@@ -199,3 +199,12 @@ def test_ids_whose_text_was_pending_are_generated_again_and_their_text_sent() ->
     assert [c["choices"][0]["text"] for c in sent] == ["\u00e9", " b"]
     assert [c["choices"][0]["token_ids"] for c in sent] == [[], [13]]
     assert book.generated == [11, 12, 13]
+
+
+@pytest.mark.parametrize("field", ["reasoning_content", "reasoning"])
+def test_reasoning_makes_the_stream_unmigratable(field: str) -> None:
+    book = ledger(chat=True)
+    thought = chat_chunk("", [3])
+    thought["choices"][0]["delta"] = {field: "hmm"}
+    book.feed(event(thought))
+    assert not book.migratable
