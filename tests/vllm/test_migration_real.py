@@ -123,15 +123,26 @@ def answer_of(chat: bool, stream: bool, raw: bytes) -> dict[str, Any]:
     assert len({(c["id"], c["created"]) for c in chunks}) == 1
     text, finish, usage = "", None, None
     ids: list[int] = []
+    tokens: list[tuple[str, int]] = []
+    logprobs: list[float] = []
     for chunk in chunks:
         assert "error" not in chunk, chunk
         for choice in chunk["choices"]:
             text += (choice["delta"].get("content") or "") if chat else choice["text"]
             ids += choice.get("token_ids") or []
             finish = choice["finish_reason"] or finish
+            if not chat and choice.get("logprobs"):
+                given = choice["logprobs"]
+                tokens += zip(given["tokens"], given["text_offset"], strict=True)
+                logprobs += given["token_logprobs"]
         if chunk.get("usage"):
             usage = (chunk["usage"]["prompt_tokens"], chunk["usage"]["completion_tokens"])
-    return {"text": text, "token_ids": ids, "finish": finish, "usage": usage}
+    answer = {"text": text, "token_ids": ids, "finish": finish, "usage": usage}
+    if tokens:
+        # Logprobs of a continuation come from a prefill of what the failed decode computed
+        # step by step: the same values but for float rounding.
+        answer |= {"tokens": tokens, "logprobs": pytest.approx(logprobs, abs=1e-3)}
+    return answer
 
 
 def serving_decode(fleet: Fleet, first_event: bytes) -> VllmServer:
@@ -143,10 +154,13 @@ def serving_decode(fleet: Fleet, first_event: bytes) -> VllmServer:
     return decode
 
 
-def killed_mid_stream(fleet: Fleet, chat: bool, prompt: str) -> tuple[dict[str, Any], bool]:
+def killed_mid_stream(
+    fleet: Fleet, chat: bool, prompt: str, extra: dict[str, Any] | None = None
+) -> tuple[dict[str, Any], bool]:
     """A streamed answer whose decode was SIGKILLed after the client's first event; whether
     the decode was still generating then."""
     path, body = payload(chat, True, prompt)
+    body |= extra or {}
     response = post(fleet, path, body)
     first = b""
     while not first.endswith(b"\n\n"):
@@ -219,3 +233,37 @@ def test_a_killed_decode_costs_the_client_nothing(fleet: Fleet, chat: bool, stre
             break
     else:
         pytest.fail(f"in {ATTEMPTS} attempts the decode had always finished before the kill")
+
+
+def kill_until_migrated(fleet: Fleet, prompt: str, extra: dict[str, Any]) -> dict[str, Any]:
+    """A completions stream killed mid-way until a kill cut it (then migrated); its answer."""
+    name, labels = "pdproxy_migrations_total", {"outcome": "completed"}
+    for attempt in range(1, ATTEMPTS + 1):
+        before = metric_value(fleet.proxy.proxy_url, name, labels)
+        answer, generating = killed_mid_stream(fleet, False, prompt, extra)
+        if metric_value(fleet.proxy.proxy_url, name, labels) > before:
+            return answer
+        print(f"\nattempt {attempt}: not cut (decode running at the kill: {generating})")
+    pytest.fail(f"in {ATTEMPTS} attempts the decode had always finished before the kill")
+
+
+def test_stop_strings_and_logprobs_survive_a_kill(fleet: Fleet) -> None:
+    prompt = "Write about the sea at night"
+    path, body = payload(False, True, prompt)
+    plain = answer_of(False, True, post(fleet, path, body).read())["text"]
+    # A stop string first seen late in the answer, so the kill lands before it: the
+    # continuation must end exactly where an uninterrupted run ends, with the text vLLM held
+    # back for the stop string at the cut.
+    stop = next(
+        piece
+        for at in range(len(plain) * 3 // 4, len(plain) // 2, -1)
+        if plain.find(piece := plain[at : at + 3]) > len(plain) // 2 and piece.strip()
+    )
+    cases: dict[str, dict[str, Any]] = {"stop": {"stop": [stop]}, "logprobs": {"logprobs": 2}}
+    for name, extra in cases.items():
+        reference = answer_of(False, True, post(fleet, path, body | extra).read())
+        if name == "stop":
+            assert reference["finish"] == "stop" and len(reference["text"]) < len(plain)
+        else:
+            assert len(reference["tokens"]) == TOKENS
+        assert kill_until_migrated(fleet, prompt, extra) == reference, name
