@@ -212,7 +212,7 @@ class Metrics:
             "Streamed answers continued on another pair after their decode failed mid-stream, "
             "by the failure's kind and the migration's outcome: completed (the continuation "
             "ended the answer), failed (it failed too, or no pair was left), refused (not "
-            "migrated: migration_limit reached, n > 1, tools, reasoning or no token ids).",
+            "migrated: migration_limit reached, no token ids, a tool call or reasoning sent).",
             ["reason", "outcome"],
             registry=r,
         )
