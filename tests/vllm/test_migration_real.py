@@ -26,9 +26,9 @@ from tests.vllm.conftest import REGISTRATION_TIMEOUT_S, metric_sum
 
 pytestmark = pytest.mark.vllm
 
-TOKENS = 400  # long enough that the decode is still generating when it is killed
+TOKENS = 1000  # long enough that the decode is still generating when it is killed
 CLIENT_TIMEOUT_S = 300.0
-ATTEMPTS = 3
+ATTEMPTS = 4
 RUNNING = "vllm:num_requests_running"
 _DECODE_PORT = re.compile(r"___decode_addr_.*:(\d+)_")
 
@@ -164,9 +164,8 @@ def serving_decode(fleet: Fleet, first_event: bytes) -> VllmServer:
 
 def killed_mid_stream(
     fleet: Fleet, chat: bool, prompt: str, extra: dict[str, Any] | None = None
-) -> tuple[dict[str, Any], bool]:
-    """A streamed answer whose decode was SIGKILLed after the client's first event; whether
-    the decode was still generating then."""
+) -> dict[str, Any]:
+    """A streamed answer whose decode was SIGKILLed after the client's first event."""
     path, body = payload(chat, True, prompt)
     body |= extra or {}
     response = post(fleet, path, body)
@@ -174,16 +173,15 @@ def killed_mid_stream(
     while not first.endswith(b"\n\n"):
         first += response.readline()
     decode = serving_decode(fleet, first)
-    generating = metric_sum(decode, RUNNING) > 0
     assert decode.process is not None
-    decode.process.signal(signal.SIGKILL)
+    decode.process.signal(signal.SIGKILL)  # at once: any wait lets the generation end first
     rest = response.read()
     fleet.restart(decode)
-    return answer_of(chat, True, first + rest), generating
+    return answer_of(chat, True, first + rest)
 
 
-def killed_while_whole(fleet: Fleet, chat: bool, prompt: str) -> tuple[dict[str, Any], bool]:
-    """A whole answer whose decode was SIGKILLed while it generated."""
+def killed_while_whole(fleet: Fleet, chat: bool, prompt: str) -> dict[str, Any]:
+    """A whole answer whose decode was SIGKILLed while it generated (if it still did)."""
     path, body = payload(chat, False, prompt)
     result: dict[str, bytes] = {}
     client = threading.Thread(target=lambda: result.update(raw=post(fleet, path, body).read()))
@@ -205,7 +203,7 @@ def killed_while_whole(fleet: Fleet, chat: bool, prompt: str) -> tuple[dict[str,
     assert "raw" in result
     if generating:
         fleet.restart(running[0])
-    return answer_of(chat, False, result["raw"]), generating
+    return answer_of(chat, False, result["raw"])
 
 
 @pytest.mark.parametrize(
@@ -230,13 +228,10 @@ def test_a_killed_decode_costs_the_client_nothing(fleet: Fleet, chat: bool, stre
         before = metric_value(fleet.proxy.proxy_url, name, labels)
         kill = killed_mid_stream if stream else killed_while_whole
         started = time.monotonic()
-        answer, generating = kill(fleet, chat, prompt)
+        answer = kill(fleet, chat, prompt)
         assert answer == reference
         cut = metric_value(fleet.proxy.proxy_url, name, labels) > before
-        print(
-            f"\nattempt {attempt}: decode running at the kill: {generating}, answer cut and "
-            f"continued: {cut} ({time.monotonic() - started:.1f} s)"
-        )
+        print(f"\nattempt {attempt}: cut and continued: {cut} ({time.monotonic() - started:.1f} s)")
         if cut:
             break
     else:
@@ -248,10 +243,10 @@ def kill_until_migrated(fleet: Fleet, prompt: str, extra: dict[str, Any]) -> dic
     name, labels = "pdproxy_migrations_total", {"outcome": "completed"}
     for attempt in range(1, ATTEMPTS + 1):
         before = metric_value(fleet.proxy.proxy_url, name, labels)
-        answer, generating = killed_mid_stream(fleet, False, prompt, extra)
+        answer = killed_mid_stream(fleet, False, prompt, extra)
         if metric_value(fleet.proxy.proxy_url, name, labels) > before:
             return answer
-        print(f"\nattempt {attempt}: not cut (decode running at the kill: {generating})")
+        print(f"\nattempt {attempt}: the generation ended before the kill")
     pytest.fail(f"in {ATTEMPTS} attempts the decode had always finished before the kill")
 
 
