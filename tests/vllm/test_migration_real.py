@@ -18,18 +18,17 @@ from typing import Any
 import pytest
 
 from pdproxy.demo.fleet import LocalFleet
-from pdproxy.demo.processes import free_ports, wait_until
+from pdproxy.demo.processes import free_ports, http_json, wait_until
 from tests.harness.vllm_cpu import MODEL_NAME, VllmServer, running_servers
 from tests.harness.vllm_env import VllmEnv
 from tests.integration.support import metric_value
-from tests.vllm.conftest import REGISTRATION_TIMEOUT_S, metric_sum
+from tests.vllm.conftest import REGISTRATION_TIMEOUT_S
 
 pytestmark = pytest.mark.vllm
 
 TOKENS = 1000  # long enough that the decode is still generating when it is killed
 CLIENT_TIMEOUT_S = 300.0
 ATTEMPTS = 4
-RUNNING = "vllm:num_requests_running"
 _DECODE_PORT = re.compile(r"___decode_addr_.*:(\d+)_")
 
 
@@ -181,7 +180,7 @@ def killed_mid_stream(
 
 
 def killed_while_whole(fleet: Fleet, chat: bool, prompt: str) -> dict[str, Any]:
-    """A whole answer whose decode was SIGKILLed while it generated (if it still did)."""
+    """A whole answer whose decode was SIGKILLed while it held the request (if it still did)."""
     path, body = payload(chat, False, prompt)
     result: dict[str, bytes] = {}
     client = threading.Thread(target=lambda: result.update(raw=post(fleet, path, body).read()))
@@ -189,12 +188,17 @@ def killed_while_whole(fleet: Fleet, chat: bool, prompt: str) -> dict[str, Any]:
     try:
         running: list[VllmServer] = []
 
-        def one_generates() -> bool:
-            running[:] = [d for d in fleet.decodes if metric_sum(d, RUNNING) > 0]
+        def serving() -> bool:
+            # The proxy's own view: the decode with our leg in flight (the only request).
+            listed = http_json(f"{fleet.proxy.proxy_url}/v1/instances")["instances"]
+            busy = {i["http_address"] for i in listed if i["legs_in_flight"] > 0}
+            running[:] = [d for d in fleet.decodes if d.http_address in busy]
             return bool(running) or "raw" in result
 
-        wait_until(one_generates, 60.0, "a decode to generate")
-        generating = bool(running)
+        # Killed at once: the generation of a whole answer is over before a loaded vLLM's
+        # metrics show it.
+        wait_until(serving, 60.0, "the decode leg to be sent", interval=0.02)
+        generating = bool(running) and "raw" not in result
         if generating:
             assert running[0].process is not None
             running[0].process.signal(signal.SIGKILL)
