@@ -47,6 +47,8 @@ COMPILED_MODULES = (
     "pdproxy.http.server_protocol",
     "pdproxy.proxy.kv_params",
     "pdproxy.proxy.lease",
+    "pdproxy.proxy.migration_plan",
+    "pdproxy.proxy.migration_stream",
     "pdproxy.proxy.prompt",
     "pdproxy.tracing.random_ids",
     "pdproxy.proxy.request",

@@ -421,6 +421,20 @@ class Settings(BaseModel):
         "fails before its first byte with a new pair; never after a byte reached the client, "
         "never on 4xx.",
     )
+    migration: Literal["on", "off"] = Field(
+        "on",
+        description="Request migration: a streamed answer whose decode fails after bytes reached "
+        "the client (reset, closed, idle timeout, a malformed or cut event) is continued on "
+        "another pair from the prompt's token ids plus those generated so far, as the rest "
+        "of the same answer (docs/reference/reliability.md says what a client can observe).",
+    )
+    migration_limit: int = Field(
+        3,
+        ge=0,
+        le=10,
+        description="Migrations per request at most (a continuation that fails too is migrated "
+        "again, within the request's deadline); 0 is the same as migration off.",
+    )
     retry_backoff_base_seconds: float = Field(
         0.025,
         ge=0,
@@ -824,6 +838,8 @@ SETTING_GROUPS: dict[str, tuple[str, ...]] = {
         "retry_after_seconds",
         "upstream_max_connections",
         "max_attempts",
+        "migration",
+        "migration_limit",
         "retry_backoff_base_seconds",
         "retry_backoff_max_seconds",
         "outlier_consecutive_failures",

@@ -105,6 +105,10 @@ _CIRCUIT = (
 )
 
 
+# How a migration ended (pdproxy_migrations_total's `outcome`).
+MIGRATION_OUTCOMES = ("completed", "failed", "refused")
+
+
 class Metrics:
     def __init__(
         self, registry: CollectorRegistry | None = None, shared_dir: str | None = None
@@ -232,6 +236,21 @@ class Metrics:
             ["role", "reason"],
             registry=r,
         )
+        self.migrations = Counter(
+            "pdproxy_migrations",
+            "Streamed answers continued on another pair after their decode failed mid-stream, "
+            "by the failure's reason and the migration's outcome: completed (the continuation "
+            "ended the answer), failed (it failed too, or no pair was left), refused (not "
+            "migrated: migration_limit reached, no token ids, a tool call or reasoning sent).",
+            ["reason", "outcome"],
+            registry=r,
+        )
+        self.migration_recomputed_tokens = Counter(
+            "pdproxy_migration_recomputed_tokens",
+            "Tokens prefilled again by migrations: each continuation's prompt (the original "
+            "prompt plus the tokens generated before the cut).",
+            registry=r,
+        )
         self.ejections = Counter(
             "pdproxy_outlier_ejections",
             "Instances taken out of rotation after failing repeatedly, by role.",
@@ -315,6 +334,9 @@ class Metrics:
             self.saturated_legs.labels(role)
             for kind in sorted(RETRIED_KINDS):
                 self.retries.labels(role, kind.value)
+        for kind in sorted(RETRIED_KINDS):
+            for outcome in MIGRATION_OUTCOMES:
+                self.migrations.labels(kind.value, outcome)
         for outcome in ("ok", "failed"):
             self.health_probes.labels(outcome)
         for role in Role:

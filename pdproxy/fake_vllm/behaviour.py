@@ -20,6 +20,8 @@ class Behaviour:
     # Cut the connection (no clean end) after this many SSE chunks of a stream. A whole answer
     # is one chunk: 0 cuts it before any byte, a larger count lets it through.
     drop_after_chunks: int | None = None
+    # Send a whole answer's headers and half its body, then cut the connection.
+    truncate_whole: bool = False
 
     def response(self) -> web.Response:
         """The injected answer: `error_body` verbatim (a string as raw text), else vLLM-shaped."""
@@ -38,6 +40,7 @@ class Behaviour:
             "error_body": self.error_body,
             "delay_ms": delay_ms,
             "drop_after_chunks": self.drop_after_chunks,
+            "truncate_whole": self.truncate_whole,
         }
 
 
@@ -58,4 +61,7 @@ def parse_behaviour(body: dict[str, Any]) -> Behaviour:
     drop = body.get("drop_after_chunks")
     if drop is not None and (not isinstance(drop, int) or isinstance(drop, bool) or drop < 0):
         raise ApiError(400, "drop_after_chunks must be a non-negative integer or null", "drop")
-    return Behaviour(status, body.get("error_body"), delay_s, drop)
+    truncate = body.get("truncate_whole", False)
+    if not isinstance(truncate, bool):
+        raise ApiError(400, "truncate_whole must be a boolean", "truncate_whole")
+    return Behaviour(status, body.get("error_body"), delay_s, drop, truncate)

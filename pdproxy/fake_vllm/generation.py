@@ -30,6 +30,9 @@ class Generation:
     tokens: bool = False  # /inference/v1/generate: token ids in, token ids out
     # "/v1/responses" or "/v1/messages": chat answered in that API's shape (chat_apis.py)
     api: str = ""
+    return_token_ids: bool = False  # vLLM's extension: prompt and output token ids too
+    stops: tuple[str, ...] = ()  # stop strings: the output ends before the first one
+    include_stop: bool = False  # include_stop_str_in_output
 
     @property
     def prompt_tokens(self) -> int:
@@ -191,7 +194,17 @@ def parse_generation(body: dict[str, Any], chat: bool, max_model_len: int) -> Ge
     if max_tokens is None:
         max_tokens = DEFAULT_MAX_TOKENS
     max_tokens = fit_context(prompts, max_tokens, max_model_len)
-    return Generation(chat, prompts, max_tokens, stream, include_usage)
+    stops, include_stop = parse_stops(body)
+    return Generation(
+        chat,
+        prompts,
+        max_tokens,
+        stream,
+        include_usage,
+        return_token_ids=parse_token_ids_flag(body),
+        stops=stops,
+        include_stop=include_stop,
+    )
 
 
 def parse_token_generation(body: dict[str, Any], max_model_len: int) -> Generation:
@@ -217,6 +230,29 @@ def parse_token_generation(body: dict[str, Any], max_model_len: int) -> Generati
     check_output_limit(max_tokens, "max_tokens", max_model_len)
     limit = fit_context((prompt,), max_tokens or DEFAULT_MAX_TOKENS, max_model_len)
     return Generation(False, (prompt,), limit, stream, include_usage, tokens=True)
+
+
+def parse_stops(body: dict[str, Any]) -> tuple[tuple[str, ...], bool]:
+    """(stop strings, include_stop_str_in_output); `stop` is a string or a list of them."""
+    stop = body.get("stop")
+    if stop is None:
+        stops: tuple[str, ...] = ()
+    elif isinstance(stop, str):
+        stops = (stop,) if stop else ()
+    elif isinstance(stop, list) and all(isinstance(item, str) for item in stop):
+        stops = tuple(item for item in stop if item)
+    else:
+        raise ApiError(400, "stop must be a string or a list of strings", "stop")
+    return stops, bool(body.get("include_stop_str_in_output"))
+
+
+def parse_token_ids_flag(body: dict[str, Any]) -> bool:
+    value = body.get("return_token_ids")
+    if value is not None and not isinstance(value, bool):
+        raise ApiError(
+            400, f"return_token_ids must be a boolean, got {value!r}", "return_token_ids"
+        )
+    return bool(value)
 
 
 def check_model(body: dict[str, Any], served: str) -> None:

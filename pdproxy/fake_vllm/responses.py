@@ -6,8 +6,9 @@ from __future__ import annotations
 from dataclasses import dataclass
 from typing import Any
 
-from pdproxy.fake_vllm.deterministic_text import generated_token_ids, generated_words
+from pdproxy.fake_vllm.deterministic_text import generated_token_ids
 from pdproxy.fake_vllm.generation import Generation
+from pdproxy.fake_vllm.output import Output, output_of
 
 
 @dataclass(frozen=True, slots=True)
@@ -23,9 +24,12 @@ class Envelope:
         return {**body, "choices": choices, **extra}
 
 
-def usage(generation: Generation) -> dict[str, Any]:
+def usage(generation: Generation, outputs: list[Output] | None = None) -> dict[str, Any]:
     prompt_tokens = sum(p.tokens for p in generation.prompts)
-    completion_tokens = generation.max_tokens * len(generation.prompts)
+    if outputs is None:
+        completion_tokens = generation.max_tokens * len(generation.prompts)
+    else:
+        completion_tokens = sum(len(output.token_ids) for output in outputs)
     return {
         "prompt_tokens": prompt_tokens,
         "total_tokens": prompt_tokens + completion_tokens,
@@ -36,31 +40,29 @@ def usage(generation: Generation) -> dict[str, Any]:
 
 def full_response(env: Envelope, generation: Generation) -> dict[str, Any]:
     choices = []
-    for index, prompt in enumerate(generation.prompts):
-        text = "".join(f" {w}" for w in generated_words(prompt.text, generation.max_tokens))
+    outputs = [output_of(prompt, generation) for prompt in generation.prompts]
+    for index, output in enumerate(outputs):
+        choice: dict[str, Any] = {"index": index}
         if generation.chat:
-            message = {"role": "assistant", "content": text}
-            choices.append(
-                {
-                    "index": index,
-                    "message": message,
-                    "logprobs": None,
-                    "finish_reason": "length",
-                    "stop_reason": None,
-                }
-            )
+            choice["message"] = {"role": "assistant", "content": output.text}
         else:
-            choices.append(
-                {
-                    "index": index,
-                    "text": text,
-                    "logprobs": None,
-                    "finish_reason": "length",
-                    "stop_reason": None,
-                }
-            )
+            choice["text"] = output.text
+        choice |= {
+            "logprobs": None,
+            "finish_reason": output.finish_reason,
+            "stop_reason": output.stop_reason,
+        }
+        if generation.return_token_ids:
+            # vLLM: completions name each choice's prompt ids, chat the response's.
+            if not generation.chat:
+                choice["prompt_token_ids"] = output.prompt_ids
+            choice["token_ids"] = output.token_ids
+        choices.append(choice)
     obj = "chat.completion" if generation.chat else "text_completion"
-    return env.wrap(obj, choices, usage=usage(generation))
+    extra: dict[str, Any] = {"usage": usage(generation, outputs)}
+    if generation.chat and generation.return_token_ids:
+        extra["prompt_token_ids"] = outputs[0].prompt_ids
+    return env.wrap(obj, choices, **extra)
 
 
 def tokens_envelope(env: Envelope) -> dict[str, Any]:

@@ -7,8 +7,9 @@ from collections.abc import AsyncIterator, Callable
 from typing import Any
 
 from pdproxy.fake_vllm.asyncio_helpers import sleep
-from pdproxy.fake_vllm.deterministic_text import generated_token_ids, generated_words
+from pdproxy.fake_vllm.deterministic_text import generated_token_ids
 from pdproxy.fake_vllm.generation import Generation
+from pdproxy.fake_vllm.output import output_of
 from pdproxy.fake_vllm.responses import Envelope, usage
 
 SSE_DONE = b"data: [DONE]\n\n"
@@ -19,7 +20,7 @@ def sse(obj: Any) -> bytes:
 
 
 def finish_reason(step: int, generation: Generation) -> str | None:
-    # Nothing ever "stops": every completion runs to max_tokens.
+    # Token-in/token-out generations always run to max_tokens.
     return "length" if step == generation.max_tokens - 1 else None
 
 
@@ -49,21 +50,33 @@ async def chunks(
             yield chunk
         return
     obj = "chat.completion.chunk" if generation.chat else "text_completion"
-    words = [generated_words(p.text, generation.max_tokens) for p in generation.prompts]
+    outputs = [output_of(prompt, generation) for prompt in generation.prompts]
+    ids = generation.return_token_ids
     if generation.chat:  # vLLM opens each chat choice with a role-only delta
-        for index in range(len(words)):
+        for index, output in enumerate(outputs):
             role = {"role": "assistant", "content": ""}
-            yield env.wrap(obj, [stream_choice(generation, index, role, None)])
-    for step in range(generation.max_tokens):
+            extra = {"prompt_token_ids": output.prompt_ids} if ids else {}
+            yield env.wrap(obj, [stream_choice(generation, index, role, None)], **extra)
+    steps = max(len(output.token_ids) for output in outputs)
+    for step in range(steps):
         await sleep(token_latency_s)
-        generated(len(words))
-        finish = finish_reason(step, generation)
-        for index, prompt_words in enumerate(words):
-            text = f" {prompt_words[step]}"
+        generated(len(outputs))
+        for index, output in enumerate(outputs):
+            if step >= len(output.token_ids):
+                continue
+            last = step == len(output.token_ids) - 1
+            text = output.pieces[step]
             delta: dict[str, Any] | str = {"content": text} if generation.chat else text
-            yield env.wrap(obj, [stream_choice(generation, index, delta, finish)])
+            choice = stream_choice(generation, index, delta, output.finish_reason if last else None)
+            if last:
+                choice["stop_reason"] = output.stop_reason
+            if ids:
+                if step == 0 and not generation.chat:
+                    choice["prompt_token_ids"] = output.prompt_ids
+                choice["token_ids"] = [output.token_ids[step]]
+            yield env.wrap(obj, [choice])
     if generation.include_usage:
-        yield env.wrap(obj, [], usage=usage(generation))
+        yield env.wrap(obj, [], usage=usage(generation, outputs))
 
 
 async def _token_chunks(

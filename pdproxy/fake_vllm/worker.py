@@ -187,7 +187,10 @@ class FakeWorker:
                 _cut(request)
                 self.records.add_abort(recorded)
                 return web.Response(status=500)  # never sent: the connection is gone
-            return await self._whole(env, generation, recorded, share, answer_params)
+            answer = await self._whole(env, generation, recorded, share, answer_params)
+            if behaviour.truncate_whole:
+                return await _truncated(request, answer)
+            return answer
 
     async def _whole(
         self,
@@ -196,7 +199,7 @@ class FakeWorker:
         recorded: RecordedRequest,
         share: Share,
         kv_transfer_params: dict[str, Any] | None,
-    ) -> web.StreamResponse:
+    ) -> web.Response:
         for _ in range(generation.max_tokens):  # token by token, so the load grows as it would
             await sleep(self.cfg.token_latency_s)
             share.generated(len(generation.prompts))
@@ -241,6 +244,19 @@ class FakeWorker:
             return response
         self.records.add("completed", recorded.record_id)
         return response
+
+
+async def _truncated(request: web.Request, answer: web.Response) -> web.StreamResponse:
+    """`answer`'s headers (its full Content-Length) and half its body, then the connection
+    cut: a whole answer that breaks while it is received."""
+    body = answer.body
+    assert isinstance(body, bytes)
+    response = web.StreamResponse(headers={"Content-Type": "application/json"})
+    response.content_length = len(body)
+    await response.prepare(request)
+    await response.write(body[: len(body) // 2])
+    _cut(request)
+    return response
 
 
 def _cut(request: web.Request) -> None:

@@ -141,6 +141,7 @@ class CompletionsEndpoint:
             "prefill_ms": _ms(notes.prefill_seconds),
             "decode_first_byte_ms": _ms(notes.decode_first_byte_seconds),
             "attempts": notes.attempts,
+            "migrations": notes.migrations,
             "outcome": _outcome(exchange, status),
         }
         access.info("request", extra={FIELDS: fields})

@@ -8,6 +8,10 @@ A leg that fails before the client saw a byte is retried with a new pair and a n
 over the instances that already failed this request, with jittered exponential backoff, within
 the request's deadline. Every failure and success also feeds the outlier detector, which takes
 instances that keep failing out of rotation.
+
+A streamed answer whose decode fails after bytes reached the client is migrated (when on): the
+same attempt runs again for a continuation request (proxy/migration_plan.py) whose chunks the
+exchange's ledger (proxy/migration_stream.py) relays as the rest of the same answer.
 """
 
 from __future__ import annotations
@@ -23,7 +27,7 @@ from pdproxy.base.roles import Role
 from pdproxy.config import Settings
 from pdproxy.http.alarms import Alarms
 from pdproxy.http.deadline import Deadline
-from pdproxy.http.upstream import Reply, UpstreamClient
+from pdproxy.http.upstream import AnswerStream, Reply, UpstreamClient
 from pdproxy.ids import Address, build_request_id
 from pdproxy.metrics import DECODE_REFUSED, Metrics
 from pdproxy.pairing.features import RequestFeatures
@@ -42,6 +46,14 @@ from pdproxy.proxy.kv_params import (
     uses_params,
 )
 from pdproxy.proxy.lease import LegLease, lease_direct, lease_pair
+from pdproxy.proxy.migration_plan import (
+    TOKEN_IDS_FIELD,
+    asking_token_ids,
+    continuation,
+    migration_refusal,
+    replays,
+)
+from pdproxy.proxy.migration_stream import MalformedStream, StreamLedger
 from pdproxy.proxy.prompt import request_features
 from pdproxy.proxy.request import CompletionRequest
 from pdproxy.proxy.rotation import Rotation
@@ -102,6 +114,7 @@ class Dispatcher:
         self._upstream_auth = None if key is None else f"Bearer {key.get_secret_value()}"
         # A client's key for pdproxy is pdproxy's secret: never passed on to the instances.
         self._forward_client_auth = not settings.api_key and settings.api_key_file is None
+        self._migration_limit = settings.migration_limit if settings.migration == "on" else 0
 
     def features(self, request: CompletionRequest) -> RequestFeatures:
         return request_features(
@@ -140,43 +153,125 @@ class Dispatcher:
         authorization: str | None,
         trace: RequestTrace,
     ) -> None:
+        original = request
+        if self._migration_limit and migration_refusal(request) is None:
+            exchange.ledger = self._ledger(request)
+            request = asking_token_ids(request)
         features = self.features(request)
         failed: set[str] = set()  # instances that failed this request: passed over if possible
         failures = 0
         last: LegFailed | None = None
-        while True:
-            try:
-                await self._attempt(
-                    request, features, exchange, authorization, trace, frozenset(failed)
-                )
-                return
-            except LegFailed as failure:
-                last = failure
-                if not failure.retryable or exchange.started:
+        migrating: FailureKind | None = None  # the failure the running continuation follows
+        try:
+            while True:
+                try:
+                    await self._attempt(
+                        request, features, exchange, authorization, trace, frozenset(failed)
+                    )
+                    if migrating is not None:
+                        self._metrics.migrations.labels(migrating, "completed").inc()
+                        migrating = None
+                    return
+                except LegFailed as failure:
+                    last = failure
+                    if exchange.started:
+                        if migrating is not None:
+                            self._metrics.migrations.labels(migrating, "failed").inc()
+                            migrating = None
+                        if await self._finish_early(exchange):
+                            return
+                        following = self._continuation(original, exchange, failure)
+                        if following is None:
+                            raise
+                        migrating = failure.kind
+                        failed.add(failure.instance)
+                        request = following
+                        features = self.features(request)
+                        continue
+                    if not failure.retryable:
+                        raise
+                    failed.add(failure.instance)
+                    failures += 1
+                    remaining = exchange.deadline - exchange.task.get_loop().time()
+                    delay = self._retry.next_delay(failures, self._unit_random(), remaining)
+                    if delay is None:
+                        raise
+                    self._metrics.retries.labels(failure.role, failure.kind).inc()
+                    log.info(
+                        "retrying in %.0f ms after %s (attempt %d of %d, client id %r)",
+                        delay * 1000,
+                        failure.message,
+                        failures + 1,
+                        self._settings.max_attempts,
+                        exchange.client_id,
+                    )
+                    exchange.notes.attempts = failures + 1
+                    await asyncio.sleep(delay)
+                except ProxyError as refusal:
+                    # Nothing left to retry on (the failures ejected the last instances): the
+                    # client hears what actually went wrong, not just that nothing is left.
+                    if last is not None and refusal.code == "no_instance":
+                        raise last from None
                     raise
-                failed.add(failure.instance)
-                failures += 1
-                remaining = exchange.deadline - exchange.task.get_loop().time()
-                delay = self._retry.next_delay(failures, self._unit_random(), remaining)
-                if delay is None:
-                    raise
-                self._metrics.retries.labels(failure.role, failure.kind).inc()
-                log.info(
-                    "retrying in %.0f ms after %s (attempt %d of %d, client id %r)",
-                    delay * 1000,
-                    failure.message,
-                    failures + 1,
-                    self._settings.max_attempts,
-                    exchange.client_id,
-                )
-                exchange.notes.attempts = failures + 1
-                await asyncio.sleep(delay)
-            except ProxyError as refusal:
-                # Nothing left to retry on (the failures ejected the last instances): the
-                # client hears what actually went wrong, not just that nothing is left.
-                if last is not None and refusal.code == "no_instance":
-                    raise last from None
-                raise
+        finally:
+            if migrating is not None:  # the continuation ended otherwise (no pair, cancelled)
+                self._metrics.migrations.labels(migrating, "failed").inc()
+
+    def _ledger(self, request: CompletionRequest) -> StreamLedger:
+        payload = request.payload
+        options = payload.get("stream_options")
+        return StreamLedger(
+            request.chat,
+            payload.get(TOKEN_IDS_FIELD) is True,
+            isinstance(options, dict) and bool(options.get("include_usage")),
+            self._settings.max_response_bytes,
+        )
+
+    async def _finish_early(self, exchange: Exchange) -> bool:
+        """End a stream whose answer was whole before its decode failed (only its usage or
+        [DONE] was missing): nothing to migrate."""
+        ledger = exchange.ledger
+        if ledger is None or not ledger.finished or ledger.done or exchange.complete:
+            return False
+        await exchange.end_stream(ledger.closing())
+        return True
+
+    def _continuation(
+        self, original: CompletionRequest, exchange: Exchange, failure: LegFailed
+    ) -> CompletionRequest | None:
+        """The request that continues a stream cut by `failure`; None: not migrated (counted
+        as refused, except when migration is off for this request)."""
+        ledger = exchange.ledger
+        if ledger is None or exchange.complete:
+            return None
+        if failure.role is not Role.DECODE and not ledger.migrations:
+            return None  # (a prefill fails before any byte; a continuation's prefill may)
+        following = None
+        if (
+            ledger.migratable
+            and ledger.migrations < self._migration_limit
+            and ledger.prompt_ids is not None
+            and exchange.deadline > exchange.task.get_loop().time()
+        ):
+            following = continuation(original, ledger.prompt_ids, ledger.settled())
+        if following is None:
+            self._metrics.migrations.labels(failure.kind, "refused").inc()
+            return None
+        generated = len(ledger.generated)
+        # Computed again: the prompt and the tokens before the cut (prefilled, or replayed).
+        self._metrics.migration_recomputed_tokens.inc(len(ledger.prompt_ids or ()) + generated)
+        ledger.cut(replays(original))
+        exchange.notes.migrations = ledger.migrations
+        log.info(
+            "migrating after %s: %d tokens generated, continuing on another pair "
+            "(migration %d of at most %d, client id %r)",
+            failure.message,
+            generated,
+            ledger.migrations,
+            self._migration_limit,
+            exchange.client_id,
+        )
+        return following
 
     async def _attempt(
         self,
@@ -205,7 +300,7 @@ class Dispatcher:
                 # The decode would refuse it after the prefill made its KV for nothing: the
                 # client hears the decode's own words now, and no leg is sent.
                 notes.error = "context_length"
-                await exchange.whole(400, b"application/json", refusal)
+                await _answer_whole(exchange, 400, b"application/json", refusal)
                 return
             uid = self._new_uid()  # a new one per attempt: also mooncake's transfer id
             request_id = build_request_id(
@@ -247,7 +342,7 @@ class Dispatcher:
             if answer.status >= 400:
                 # vLLM refused the request (4xx): the client gets vLLM's own words.
                 prefill.succeeded()
-                await exchange.whole(answer.status, answer.content_type, answer.body)
+                await _answer_whole(exchange, answer.status, answer.content_type, answer.body)
                 return
             if uses_params(lease.connector):
                 decode_params = self._kv_params(prefill, answer)
@@ -332,12 +427,18 @@ class Dispatcher:
                     self._settings.prefill_timeout,
                 )
 
+        # Whether this attempt's decode reached the client: a continuation's stream had started
+        # before it (migration), so there it is the leg's own first chunk.
+        continuing = exchange.started
         refusal = await decode_beside_prefill(
-            prefill(), decode(), lambda: exchange.started, exchange.task.get_loop()
+            prefill(),
+            decode(),
+            (lambda: decode_leg.answered) if continuing else (lambda: exchange.started),
+            exchange.task.get_loop(),
         )
         if refusal is not None:
             # vLLM refused the request (4xx) before the decode answered: its own words.
-            await exchange.whole(refusal.status, refusal.content_type, refusal.body)
+            await _answer_whole(exchange, refusal.status, refusal.content_type, refusal.body)
         elif refused and prefilled:  # the prefill ran to its end beside a decode that refused
             self._metrics.kv_orphaned.labels(DECODE_REFUSED).inc()
 
@@ -436,13 +537,14 @@ class Dispatcher:
                     kind = classify(stream.status)
                     if kind is None:  # a 4xx: vLLM's own words for the client
                         leg.succeeded()
-                        await exchange.whole(stream.status, stream.content_type, body)
+                        await _answer_whole(exchange, stream.status, stream.content_type, body)
                         return True
                     raise leg.failed(kind, _answered(stream.status, body))
                 if not request.stream:
                     # vLLM sends a whole answer's headers once it is ready: from here on a
-                    # retry would compute it twice.
-                    leg.answered = True
+                    # retry would compute it twice, which is what migration (when on) is for:
+                    # the client has nothing yet and is owed the whole answer.
+                    leg.answered = not self._migration_limit
                     body = await stream.read_all(settings.max_response_bytes)
                     self._first_byte(exchange, started)
                     deadline.reschedule(None)
@@ -455,8 +557,12 @@ class Dispatcher:
                 # The client's first token leaves now: the request's time to first token.
                 self._metrics.first_token_sent(time.perf_counter() - exchange.arrived)
                 deadline.reschedule(None)
-                await exchange.start_stream(stream.status, stream.content_type)
                 leg.waiting, leg.limit = "next chunk", settings.stream_idle_timeout
+                ledger = exchange.ledger
+                if ledger is not None:
+                    await self._relay_ledgered(leg, stream, chunk, exchange, ledger, deadline)
+                    return False
+                await exchange.start_stream(stream.status, stream.content_type)
                 while chunk:
                     # Only the instance is on the clock: a slow client is not its fault
                     # (the request timeout bounds the client).
@@ -468,9 +574,52 @@ class Dispatcher:
                 await exchange.end_stream()
                 return False
 
+    async def _relay_ledgered(
+        self,
+        leg: LegLease,
+        stream: AnswerStream,
+        chunk: bytes,
+        exchange: Exchange,
+        ledger: StreamLedger,
+        deadline: Deadline,
+    ) -> None:
+        """The relay with migration on: whole events only, read by the ledger (a first leg's
+        or a continuation's); a stream that ends before its [DONE] is a failed leg."""
+        loop = exchange.task.get_loop()
+        if not exchange.started:
+            await exchange.start_stream(stream.status, stream.content_type)
+        while chunk:
+            try:
+                data = ledger.feed(chunk)
+            except MalformedStream as exc:
+                raise leg.failed(FailureKind.PROTOCOL, f"sent {exc}") from None
+            if data:
+                await exchange.chunk(data)
+            deadline.reschedule(loop.time() + leg.limit)
+            chunk = await stream.next_chunk()
+            deadline.reschedule(None)
+        if not ledger.done:
+            raise leg.failed(FailureKind.PROTOCOL, "ended its stream before [DONE]")
+        leg.succeeded()
+        await exchange.end_stream()
+
     def _first_byte(self, exchange: Exchange, started: float) -> None:
         exchange.notes.decode_first_byte_seconds = time.perf_counter() - started
         self._metrics.decode_first_byte_seen(exchange.notes.decode_first_byte_seconds)
+
+
+async def _answer_whole(exchange: Exchange, status: int, content_type: bytes, body: bytes) -> None:
+    """Relay an instance's refusal; once a stream is under way (a continuation refused), the
+    stream ends with an error event instead (its status is sent already)."""
+    if not exchange.started:
+        await exchange.whole(status, content_type, body)
+        return
+    text = body[:_ERROR_SNIPPET].decode("utf-8", errors="replace")
+    raise ProxyError(
+        502,
+        f"the answer could not be continued: the new pair answered HTTP {status}: {text}",
+        code="migration_refused",
+    )
 
 
 def _nixl_push_decode_params(prefill: Instance, request_id: str) -> dict[str, Any]:

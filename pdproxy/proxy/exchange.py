@@ -16,6 +16,7 @@ from typing import Any
 from pdproxy.http.server_protocol import DISCONNECT_HOOK
 from pdproxy.proxy.error_shapes import OPENAI_SHAPE, ErrorShape
 from pdproxy.proxy.errors import ProxyError
+from pdproxy.proxy.migration_stream import StreamLedger
 
 Scope = dict[str, Any]
 Message = dict[str, Any]
@@ -67,6 +68,7 @@ class RequestNotes:
     decode_first_byte_seconds: float | None
     error: str | None  # the error code the client got
     attempts: int
+    migrations: int  # times the stream was continued on another pair
     trace_id: str | None
 
     # Why a hand-written __init__ (not frozen): docs/performance.md, "Dataclass constructors".
@@ -81,6 +83,7 @@ class RequestNotes:
         self.decode_first_byte_seconds = None
         self.error = None
         self.attempts = 1
+        self.migrations = 0
         self.trace_id = None
 
 
@@ -118,6 +121,8 @@ class Exchange:
         self.request_id = ""  # the tagged id, once a pair was chosen (for logs)
         self.deadline = float("inf")  # event-loop time by which the whole request must end
         self.notes = RequestNotes()
+        # With migration on, a streamed answer's relay state across its decode legs.
+        self.ledger: StreamLedger | None = None
         self._streaming = False
         self._watcher: asyncio.Task[None] | None = None
         self._watching = False

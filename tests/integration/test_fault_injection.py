@@ -13,9 +13,11 @@ from dataclasses import dataclass
 from typing import Any
 
 import aiohttp
+import pytest
 
 from pdproxy.demo.fleet import LocalFleet, Worker, WorkerSpec
 from pdproxy.demo.processes import http_json, wait_until
+from pdproxy.fake_vllm.deterministic_text import generated_words
 from tests.conftest import FleetFactory
 from tests.integration.support import metric_value, set_behaviour
 
@@ -68,8 +70,21 @@ def complete_answer(outcome: Outcome) -> bool:
         answer = json.loads(outcome.body)
         return bool(answer["usage"]["completion_tokens"] == TOKENS and answer["choices"])
     events, done = parse_stream(outcome.body)
-    texts = [e for e in events if e.get("choices")]
+    texts = [c for e in events for c in e.get("choices", []) if c.get("text")]
     return done and len(texts) == TOKENS and not any("error" in e for e in events)
+
+
+def expected_text(outcome: Outcome) -> bool:
+    """Whether a complete answer's text is the fake model's for its prompt (request i), whole:
+    a migrated stream must read exactly as an uninterrupted one."""
+    prompt = f"request {outcome.client_id.removeprefix('fault-')}"
+    expected = "".join(f" {w}" for w in generated_words(prompt, TOKENS))
+    if not outcome.stream:
+        return bool(json.loads(outcome.body)["choices"][0]["text"] == expected)
+    events, _ = parse_stream(outcome.body)
+    ids = {(e["id"], e["created"]) for e in events}
+    text = "".join(c["text"] for e in events for c in e.get("choices", []))
+    return text == expected and len(ids) == 1
 
 
 def cut_mid_stream(outcome: Outcome, droppers: set[str]) -> bool:
@@ -147,10 +162,13 @@ async def in_thread(call: Callable[[], None]) -> None:
     await asyncio.to_thread(call)
 
 
+@pytest.mark.parametrize("migration", ["on", "off"])
 def test_faults_under_load_reach_no_client_that_could_be_served(
-    fleet_factory: FleetFactory,
+    fleet_factory: FleetFactory, migration: str
 ) -> None:
-    fleet = fleet_factory([WorkerSpec("P")] * 4 + [WorkerSpec("D")] * 4, FAULT_FLAGS)
+    fleet = fleet_factory(
+        [WorkerSpec("P")] * 4 + [WorkerSpec("D")] * 4, [*FAULT_FLAGS, "--migration", migration]
+    )
     p_dead, p_500, _, _ = fleet.role("P")
     d_dead, d_hang, d_drop, _ = fleet.role("D")
 
@@ -173,8 +191,9 @@ def test_faults_under_load_reach_no_client_that_could_be_served(
 
     assert len(outcomes) == 2000
     complete = [o for o in outcomes if complete_answer(o)]
-    # A stream the killed decode was sending when it died is cut too (its client already has
-    # the first chunks); one it had not begun must be served elsewhere.
+    # Without migration, a stream the killed decode was sending when it died is cut too (its
+    # client already has the first chunks); one it had not begun must be served elsewhere.
+    # With migration, every stream is continued on another pair: every answer is complete.
     cutters = {d_drop.http_address, d_dead.http_address}
     cut = [o for o in outcomes if cut_mid_stream(o, cutters)]
     others = [o for o in outcomes if not complete_answer(o) and not cut_mid_stream(o, cutters)]
@@ -184,8 +203,14 @@ def test_faults_under_load_reach_no_client_that_could_be_served(
         f"first: {others[0].body[-600:]!r}; what the proxy logged about the first three:\n"
         + proxy_log_about(fleet, [o.client_id for o in others[:3]])
     )
-    dropped = sum(1 for o in cut if d_drop.http_address in o.body.decode())
-    assert dropped > 0
+    assert all(expected_text(o) for o in complete)
+    migrated = metric_value(fleet.proxy_url, "pdproxy_migrations_total", {"outcome": "completed"})
+    if migration == "on":
+        assert not cut, f"{len(cut)} streams cut: first {cut[0].body[-600:]!r}"
+        assert migrated > 0
+    else:
+        dropped = sum(1 for o in cut if d_drop.http_address in o.body.decode())
+        assert dropped > 0 and migrated == 0
     assert len(complete) + len(cut) == 2000
     # Nobody waited past the request's deadline (client-side timing, generous slack).
     slowest = max(o.seconds for o in outcomes)
@@ -195,9 +220,9 @@ def test_faults_under_load_reach_no_client_that_could_be_served(
     assert metric_value(fleet.proxy_url, "pdproxy_outlier_ejections_total") >= 2
     wait_until(lambda: all_idle(fleet), 15, "every in-flight gauge back at 0")
     print(
-        f"\nfault injection: 2000 requests, 5 faults, {len(complete)} complete, "
-        f"{len(cut)} cut mid-stream by the dropping decode, 0 other failures, "
-        f"{retries:.0f} retries, slowest {slowest:.2f}s"
+        f"\nfault injection (migration {migration}): 2000 requests, 5 faults, "
+        f"{len(complete)} complete, {migrated:.0f} migrated mid-stream, {len(cut)} cut "
+        f"mid-stream, 0 other failures, {retries:.0f} retries, slowest {slowest:.2f}s"
     )
 
 

@@ -99,8 +99,12 @@ def test_a_4xx_is_never_retried(fleet_factory: FleetFactory) -> None:
     assert metric_value(fleet.proxy_url, "pdproxy_retries_total") == 0
 
 
-def test_a_stream_cut_after_its_first_byte_is_not_retried(fleet_factory: FleetFactory) -> None:
-    fleet = fleet_factory([WorkerSpec("P"), WorkerSpec("D"), WorkerSpec("D")], ROUND_ROBIN)
+def test_without_migration_a_stream_cut_after_its_first_byte_ends_with_an_error_event(
+    fleet_factory: FleetFactory,
+) -> None:
+    fleet = fleet_factory(
+        [WorkerSpec("P"), WorkerSpec("D"), WorkerSpec("D")], [*ROUND_ROBIN, "--migration", "off"]
+    )
     for worker in fleet.role("D"):
         set_behaviour(worker.url, drop_after_chunks=2)
     answer = post_json(completions(fleet), dict(GOOD, stream=True, max_tokens=8))

@@ -47,7 +47,8 @@ MAX_GROWTH_KIB = STALLED * 512
 SETTLE_S = 0.5  # the instance wrote nothing for this long: its writes are blocked
 SETTLE_TIMEOUT_S = 30.0
 EVENT_BYTES = 200
-_EVENT = b'data: {"n": %08d, "text": "%s"}\n\n'
+# Valid JSON (no zero-padded numbers): with migration on the relay reads every event.
+_EVENT = b'data: {"n": %8d, "text": "%s"}\n\n'
 _PADDING = b"x" * (EVENT_BYTES - len(_EVENT % (0, b"")))
 
 

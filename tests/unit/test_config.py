@@ -121,6 +121,8 @@ SAMPLES: dict[str, tuple[str, Any]] = {
     "concurrent_decode_connectors": ("p2p_nccl", ["p2p_nccl"]),
     "bootstrap_query_timeout": ("2.5", 2.5),
     "max_attempts": ("5", 5),
+    "migration": ("off", "off"),
+    "migration_limit": ("1", 1),
     "retry_backoff_base_seconds": ("0.01", 0.01),
     "retry_backoff_max_seconds": ("2.5", 2.5),
     "outlier_consecutive_failures": ("3", 3),

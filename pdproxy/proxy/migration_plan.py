@@ -1,0 +1,154 @@
+"""Request migration, the request side (pure): which streams may be continued on another pair,
+the decode body that asks upstream for token ids, and the continuation request.
+
+A continuation is always a /v1/completions request whose prompt is token ids: the original
+prompt's ids followed by the ids generated so far, so the new pair computes exactly the context
+the failed decode held (no text is tokenised again), and a greedy request goes on with the
+tokens the uninterrupted run would have produced. Its limits are what is still owed. (The ids
+whose text vLLM had not sent yet, a UTF-8 character still incomplete, are generated again:
+the continuation's own detokenizer then sends their text.)
+
+With stop strings the continuation is a replay instead: the original prompt's ids alone and the
+original limits, so vLLM checks its stop strings over the whole output (one that spans the cut
+included) and streams the text it held back while waiting to rule one out (up to the longest
+stop string less one character, lost with the failed decode otherwise); the relay takes out
+what the client already holds. It costs generating those tokens again.
+"""
+
+from __future__ import annotations
+
+import orjson
+
+from pdproxy.proxy.request import COMPLETIONS_DEFAULT_MAX_TOKENS, CompletionRequest
+
+CONTINUATION_PATH = "/v1/completions"
+TOKEN_IDS_FIELD = "return_token_ids"
+
+# Fields a continuation drops: the chat prompt and answer's shape (a completions continuation
+# has neither), the prompt's echo and logprobs (sent with the first chunk already).
+_NOT_CONTINUED = (
+    "messages",
+    "max_completion_tokens",
+    "min_completion_tokens",
+    "tools",
+    "tool_choice",
+    "parallel_tool_calls",
+    "functions",
+    "function_call",
+    "chat_template",
+    "chat_template_kwargs",
+    "add_generation_prompt",
+    "continue_final_message",
+    "documents",
+    "reasoning_effort",
+    "include_reasoning",
+    "top_logprobs",
+    "logprobs",
+    "echo",
+    "prompt_logprobs",
+    "user",
+)
+# Fields whose state lives in the server across the whole output: a grammar restarted at the
+# cut would constrain the continuation from its own start, not from where the output was.
+_STATEFUL = (
+    "response_format",
+    "guided_json",
+    "guided_regex",
+    "guided_choice",
+    "guided_grammar",
+    "structured_outputs",
+)
+
+
+def migration_refusal(request: CompletionRequest) -> str | None:
+    """Why this request's stream cannot be continued on another pair, or None if it can."""
+    if not request.stream:
+        return "not streamed"  # a whole answer is re-run from its prompt instead
+    if request.generate:
+        return "generate"
+    if request.responses or request.messages:
+        return "responses or messages API"  # their events are not completions chunks
+    payload = request.payload
+    for field in ("n", "best_of"):
+        value = payload.get(field)
+        if value is not None and value != 1:
+            return f"{field} > 1"
+    if any(payload.get(field) is not None for field in _STATEFUL):
+        return "structured output"
+    if payload.get("echo"):
+        return "echo"  # vLLM echoes no prompt text when asked for token ids
+    if request.chat:
+        if payload.get("tools") and payload.get("tool_choice") != "none":
+            return "tools"
+        if payload.get("logprobs"):
+            return "chat logprobs"
+    else:
+        prompt = payload.get("prompt")
+        # One prompt: a string, or one list of ids (a list of prompts answers several choices).
+        if not isinstance(prompt, str) and not (
+            isinstance(prompt, list) and prompt and all(isinstance(t, int) for t in prompt)
+        ):
+            return "several prompts"
+    return None
+
+
+def asking_token_ids(request: CompletionRequest) -> CompletionRequest:
+    """`request` asking upstream for its prompt's and output's token ids (what a continuation
+    is built from); the request itself if the client asked already."""
+    if request.payload.get(TOKEN_IDS_FIELD) is True:
+        return request
+    payload = dict(request.payload)
+    payload[TOKEN_IDS_FIELD] = True
+    return CompletionRequest(
+        request.path, orjson.dumps(payload), payload, request.model, request.stream
+    )
+
+
+def output_limit(request: CompletionRequest) -> int | None:
+    """The most output tokens the client asked for (None: until the context is full)."""
+    payload = request.payload
+    if request.chat:
+        value = payload.get("max_completion_tokens")
+        if value is None:
+            value = payload.get("max_tokens")
+    else:
+        value = payload.get("max_tokens", COMPLETIONS_DEFAULT_MAX_TOKENS)
+    return value if isinstance(value, int) and not isinstance(value, bool) else None
+
+
+def replays(request: CompletionRequest) -> bool:
+    """Whether a continuation of `request` starts from its prompt again: with stop strings
+    that vLLM checks (and holds text back for) over the whole output."""
+    stop = request.payload.get("stop")
+    return bool(stop) and not request.payload.get("include_stop_str_in_output")
+
+
+def continuation(
+    original: CompletionRequest, prompt_ids: list[int], generated: list[int]
+) -> CompletionRequest | None:
+    """The request that generates what is still owed after `generated` (from the prompt
+    again when `replays`); None when nothing is owed (the limit is reached)."""
+    payload = {k: v for k, v in original.payload.items() if k not in _NOT_CONTINUED}
+    if replays(original):
+        generated = []
+    limit = output_limit(original)
+    if limit is not None:
+        owed = limit - len(generated)
+        if owed < 1:
+            return None
+        payload["max_tokens"] = owed
+    else:
+        payload.pop("max_tokens", None)
+    minimum = original.payload.get(
+        "min_completion_tokens" if original.chat else "min_tokens"
+    ) or original.payload.get("min_tokens")
+    if isinstance(minimum, int) and not isinstance(minimum, bool) and minimum > 0:
+        payload["min_tokens"] = max(0, minimum - len(generated))
+    payload["prompt"] = prompt_ids + generated
+    payload[TOKEN_IDS_FIELD] = True
+    payload["stream"] = True
+    if not original.chat and original.payload.get("logprobs") is not None:
+        payload["logprobs"] = original.payload["logprobs"]
+    return CompletionRequest(
+        CONTINUATION_PATH, orjson.dumps(payload), payload, original.model, True
+    )

@@ -1,0 +1,283 @@
+"""Request migration, the stream side (pure): what a relayed stream has given the client so far,
+and continuation chunks made to look like the rest of the same answer.
+
+With migration on, the relay forwards whole SSE events only (a partial event at a cut never
+reaches the client) and reads each one just enough to keep the continuation's inputs: the
+prompt's token ids, the output's token ids, the tail of the text sent (for stop strings that
+span the cut), whether the answer finished. Token ids the client did not ask for are removed.
+
+A continuation is a completions stream (migration_plan.py): its chunks get the original id,
+`created`, model and object, chat shape for a chat answer, text offsets and usage counted from
+the start of the original answer, and its stop strings are checked over the cut.
+"""
+
+from __future__ import annotations
+
+from typing import Any
+
+import orjson
+
+SSE_DONE = b"data: [DONE]\n\n"
+_DATA = b"data: "
+_EVENT_END = b"\n\n"
+
+
+class MalformedStream(Exception):
+    """The upstream stream broke its shape: an event that is not JSON, or one too large."""
+
+
+class StreamLedger:
+    """One streamed answer's relay state across its decode legs (one choice: see
+    migration_plan.migration_refusal)."""
+
+    def __init__(
+        self,
+        chat: bool,
+        client_wants_ids: bool,
+        include_usage: bool,
+        max_event_bytes: int,
+    ) -> None:
+        self.chat = chat
+        self._strip_ids = not client_wants_ids
+        self._include_usage = include_usage
+        self._max_event = max_event_bytes
+        self._buffer = b""
+        self.prompt_ids: list[int] | None = None
+        self.generated: list[int] = []
+        self.chars_sent = 0  # text characters the client has
+        # Output tokens whose text the client has in full: vLLM sends no text for a token
+        # that ends inside a UTF-8 character (nor for tokens after it) until one completes it.
+        self._settled = 0
+        self.finished = False  # the choice's finish_reason went out
+        self.done = False  # [DONE] went out
+        self.migratable = True  # false once a tool call or reasoning went out
+        self.migrations = 0
+        # A replayed continuation (migration_plan.continuation) regenerates what the client
+        # has: that many token ids and characters of it are not sent again.
+        self._skip_ids = 0
+        self._skip_chars = 0
+        self._offset_shift = 0
+        self._id: Any = None
+        self._created: Any = None
+        self._model: Any = None
+        self._before_cut = 0  # tokens generated before the current continuation
+
+    # -- relaying --------------------------------------------------------------------------
+
+    def feed(self, data: bytes) -> bytes:
+        """The whole events of `data` (after what was buffered) as the client gets them."""
+        buffer = self._buffer + data if self._buffer else data
+        end = buffer.rfind(_EVENT_END)
+        if end < 0:
+            self._check_buffer(buffer)
+            self._buffer = buffer
+            return b""
+        whole, self._buffer = buffer[: end + 2], buffer[end + 2 :]
+        self._check_buffer(self._buffer)
+        out = []
+        for event in whole.split(_EVENT_END)[:-1]:
+            if self.done:
+                continue
+            sent = self._event(event)
+            if sent is not None:
+                out.append(sent)
+        return b"".join(out)
+
+    def _check_buffer(self, buffer: bytes) -> None:
+        if len(buffer) > self._max_event:
+            raise MalformedStream(f"an event longer than {self._max_event} bytes")
+
+    def _event(self, event: bytes) -> bytes | None:
+        if not event.startswith(_DATA):
+            return event + _EVENT_END  # a comment or another field: not ours to read
+        data = event[len(_DATA) :]
+        if data == b"[DONE]":
+            self.done = True
+            return SSE_DONE
+        try:
+            chunk = orjson.loads(data)
+        except orjson.JSONDecodeError:
+            raise MalformedStream("an event that is not JSON") from None
+        if not isinstance(chunk, dict):
+            raise MalformedStream("an event that is not a JSON object")
+        if self.migrations:
+            return self._continued(chunk)
+        if self._id is None:
+            self._id, self._created, self._model = (
+                chunk.get("id"),
+                chunk.get("created"),
+                chunk.get("model"),
+            )
+        changed = self._record(chunk)
+        if "error" in chunk:
+            self.migratable = False  # the instance's own error event: relayed as it is
+        if not changed:
+            return event + _EVENT_END
+        return _DATA + orjson.dumps(chunk) + _EVENT_END
+
+    def _record(self, chunk: dict[str, Any]) -> bool:
+        """Keep what a continuation needs from one chunk; whether the chunk was changed."""
+        changed = False
+        top_prompt = chunk.get("prompt_token_ids")
+        if top_prompt is not None:
+            self.prompt_ids = _ids(top_prompt)
+            if self._strip_ids:
+                del chunk["prompt_token_ids"]
+                changed = True
+        for choice in _choices(chunk):
+            if choice.get("prompt_token_ids") is not None:
+                self.prompt_ids = _ids(choice["prompt_token_ids"])
+            ids = choice.get("token_ids")
+            if ids is not None:
+                self.generated.extend(_ids(ids))
+            if self._strip_ids and ("token_ids" in choice or "prompt_token_ids" in choice):
+                choice.pop("token_ids", None)
+                choice.pop("prompt_token_ids", None)
+                changed = True
+            text = _text_of(choice, self.chat)
+            if text:
+                self.chars_sent += len(text)
+                self._settled = len(self.generated)
+            delta = choice.get("delta")
+            if isinstance(delta, dict) and (
+                delta.get("tool_calls") or delta.get("reasoning_content") or delta.get("reasoning")
+            ):
+                self.migratable = False
+            if choice.get("finish_reason") is not None:
+                self.finished = True
+        return changed
+
+    # -- migrating -------------------------------------------------------------------------
+
+    def settled(self) -> list[int]:
+        """The output ids a continuation goes on from: those whose text the client has. The
+        ids after them are generated again (their text was pending when the decode failed)."""
+        return self.generated[: self._settled]
+
+    def cut(self, replay: bool) -> None:
+        """The current decode failed: what arrives next is a continuation's stream, which
+        goes on after the settled ids, or (`replay`) starts from the prompt again."""
+        self.migrations += 1
+        self._buffer = b""
+        if replay:
+            self._skip_ids, self._skip_chars = len(self.generated), self.chars_sent
+            self._offset_shift, self._before_cut = 0, 0
+        else:
+            self._skip_ids, self._skip_chars = len(self.generated) - self._settled, 0
+            self._offset_shift, self._before_cut = self.chars_sent, self._settled
+
+    def closing(self) -> bytes:
+        """What ends a stream whose choice finished but whose upstream did not end it: the
+        usage (if asked for) and [DONE]."""
+        self.done = True
+        if not self._include_usage:
+            return SSE_DONE
+        chunk = {
+            "id": self._id,
+            "object": "chat.completion.chunk" if self.chat else "text_completion",
+            "created": self._created,
+            "model": self._model,
+            "choices": [],
+            "usage": self._usage(len(self.generated)),
+        }
+        return _DATA + orjson.dumps(chunk) + _EVENT_END + SSE_DONE
+
+    def _usage(self, completion: int) -> dict[str, Any]:
+        prompt = len(self.prompt_ids or ())
+        return {
+            "prompt_tokens": prompt,
+            "total_tokens": prompt + completion,
+            "completion_tokens": completion,
+            "prompt_tokens_details": None,
+        }
+
+    def _continued(self, chunk: dict[str, Any]) -> bytes | None:
+        """A continuation chunk as part of the original answer (None: nothing to send)."""
+        if "error" in chunk:
+            return _DATA + orjson.dumps(chunk) + _EVENT_END  # the instance's own error event
+        out: dict[str, Any] = {
+            "id": self._id,
+            "object": "chat.completion.chunk" if self.chat else "text_completion",
+            "created": self._created,
+            "model": self._model,
+        }
+        choices = []
+        for choice in _choices(chunk):
+            ids = _ids(choice.get("token_ids") or [])
+            text = choice.get("text")
+            text = text if isinstance(text, str) else ""
+            logprobs = choice.get("logprobs")
+            finish = choice.get("finish_reason")
+            if self._skip_ids and ids:
+                skipped = min(len(ids), self._skip_ids)
+                self._skip_ids -= skipped
+                ids = ids[skipped:]
+                logprobs = _without_first(logprobs, skipped)
+            if self._skip_chars and text:
+                skipped = min(len(text), self._skip_chars)
+                self._skip_chars -= skipped
+                text = text[skipped:]
+            self.generated.extend(ids)
+            if text:
+                self._settled = len(self.generated)
+            if not ids and not text and finish is None:
+                continue  # all of it replayed what the client has
+            if isinstance(logprobs, dict) and isinstance(logprobs.get("text_offset"), list):
+                shift = self._offset_shift
+                logprobs["text_offset"] = [o + shift for o in logprobs["text_offset"]]
+            self.chars_sent += len(text)
+            if finish is not None:
+                self.finished = True
+            new: dict[str, Any] = {"index": 0}
+            if self.chat:
+                new["delta"] = {"content": text}
+            else:
+                new["text"] = text
+            new["logprobs"] = logprobs
+            new["finish_reason"] = finish
+            new["stop_reason"] = choice.get("stop_reason")
+            if not self._strip_ids:
+                new["token_ids"] = ids
+            choices.append(new)
+        out["choices"] = choices
+        usage = chunk.get("usage")
+        if isinstance(usage, dict):
+            out["usage"] = self._usage(self._before_cut + _int(usage.get("completion_tokens")))
+        elif not choices:
+            return None
+        return _DATA + orjson.dumps(out) + _EVENT_END
+
+
+def _choices(chunk: dict[str, Any]) -> list[dict[str, Any]]:
+    choices = chunk.get("choices")
+    if not isinstance(choices, list):
+        return []
+    return [c for c in choices if isinstance(c, dict)]
+
+
+def _text_of(choice: dict[str, Any], chat: bool) -> str:
+    if chat:
+        delta = choice.get("delta")
+        text = delta.get("content") if isinstance(delta, dict) else None
+    else:
+        text = choice.get("text")
+    return text if isinstance(text, str) else ""
+
+
+def _without_first(logprobs: Any, count: int) -> Any:
+    """Completions logprobs without their first `count` tokens' entries."""
+    if not isinstance(logprobs, dict):
+        return logprobs
+    return {k: v[count:] if isinstance(v, list) else v for k, v in logprobs.items()}
+
+
+def _ids(value: Any) -> list[int]:
+    if not isinstance(value, list) or not all(
+        isinstance(t, int) and not isinstance(t, bool) for t in value
+    ):
+        raise MalformedStream("token ids that are not a list of integers")
+    return value
+
+
+def _int(value: Any) -> int:
+    return value if isinstance(value, int) and not isinstance(value, bool) else 0

@@ -1,0 +1,210 @@
+"""The stream ledger: what the client got before a cut, and continuation chunks made into the
+rest of the same answer."""
+
+from __future__ import annotations
+
+import json
+from typing import Any
+
+import pytest
+
+from pdproxy.proxy.migration_stream import SSE_DONE, MalformedStream, StreamLedger
+
+
+def event(obj: Any) -> bytes:
+    return b"data: " + json.dumps(obj).encode() + b"\n\n"
+
+
+def chunk(text: str, ids: list[int], finish: str | None = None, **extra: Any) -> dict[str, Any]:
+    choice = {"index": 0, "text": text, "logprobs": None, "finish_reason": finish}
+    choice |= {"stop_reason": None, "token_ids": ids} | extra
+    return {
+        "id": "cmpl-A",
+        "object": "text_completion",
+        "created": 5,
+        "model": "m",
+        "choices": [choice],
+    }
+
+
+def chat_chunk(content: str, ids: list[int], **top: Any) -> dict[str, Any]:
+    choice = {
+        "index": 0,
+        "delta": {"content": content},
+        "logprobs": None,
+        "finish_reason": None,
+        "token_ids": ids,
+    }
+    return {
+        "id": "chatcmpl-A",
+        "object": "chat.completion.chunk",
+        "created": 5,
+        "model": "m",
+        "choices": [choice],
+    } | top
+
+
+def parsed(data: bytes) -> list[Any]:
+    return [e[6:] if e == b"data: [DONE]" else json.loads(e[6:]) for e in data.split(b"\n\n") if e]
+
+
+def ledger(chat: bool = False, wants_ids: bool = False, usage: bool = True) -> StreamLedger:
+    return StreamLedger(chat, wants_ids, usage, 1 << 20)
+
+
+def test_a_relayed_stream_is_recorded_and_ids_the_client_did_not_ask_for_are_removed() -> None:
+    book = ledger()
+    first = event(chunk(" a", [11], prompt_token_ids=[1, 2, 3]))
+    second = event(chunk(" b", [12]))
+    # Split mid-event: only whole events reach the client.
+    out = book.feed(first + second[:10])
+    out += book.feed(second[10:])
+    sent = parsed(out)
+    assert [c["choices"][0]["text"] for c in sent] == [" a", " b"]
+    assert all("token_ids" not in c["choices"][0] for c in sent)
+    assert all("prompt_token_ids" not in c["choices"][0] for c in sent)
+    assert book.prompt_ids == [1, 2, 3] and book.generated == [11, 12]
+    assert book.chars_sent == 4 and not book.finished
+
+
+def test_a_client_that_asked_for_ids_gets_the_upstream_bytes_unchanged() -> None:
+    book = ledger(wants_ids=True)
+    data = event(chunk(" a", [11], prompt_token_ids=[1]))
+    assert book.feed(data) == data
+
+
+def test_a_chat_stream_takes_its_prompt_ids_from_the_first_chunk() -> None:
+    book = ledger(chat=True)
+    out = parsed(book.feed(event(chat_chunk("", [], prompt_token_ids=[4, 5]))))
+    assert "prompt_token_ids" not in out[0]
+    book.feed(event(chat_chunk(" x", [9])))
+    assert book.prompt_ids == [4, 5] and book.generated == [9] and book.chars_sent == 2
+
+
+def test_a_tool_call_or_reasoning_makes_the_stream_unmigratable() -> None:
+    book = ledger(chat=True)
+    tool = chat_chunk("", [3])
+    tool["choices"][0]["delta"] = {"tool_calls": [{"index": 0}]}
+    book.feed(event(tool))
+    assert not book.migratable
+
+
+@pytest.mark.parametrize("bad", [b"data: {not json\n\n", b"data: [1]\n\n"])
+def test_a_malformed_event_is_a_failure(bad: bytes) -> None:
+    with pytest.raises(MalformedStream):
+        ledger().feed(bad)
+
+
+def test_an_event_longer_than_the_bound_is_a_failure() -> None:
+    book = StreamLedger(False, False, False, 64)
+    with pytest.raises(MalformedStream):
+        book.feed(b"data: " + b"x" * 100)
+
+
+def test_a_continuation_reads_as_the_rest_of_the_same_answer() -> None:
+    book = ledger()
+    book.feed(event(chunk(" a", [11], prompt_token_ids=[1, 2])))
+    book.cut(replay=False)
+    following = chunk(" c", [13], "length")
+    following["id"], following["created"] = "cmpl-B", 99
+    out = book.feed(event(following))
+    usage = {
+        "id": "cmpl-B",
+        "created": 99,
+        "model": "m",
+        "object": "text_completion",
+        "choices": [],
+        "usage": {"prompt_tokens": 3, "completion_tokens": 1, "total_tokens": 4},
+    }
+    out += book.feed(event(usage) + SSE_DONE)
+    sent = parsed(out)
+    assert [(c["id"], c["created"]) for c in sent[:-1]] == [("cmpl-A", 5)] * 2
+    assert sent[0]["choices"] == [
+        {"index": 0, "text": " c", "logprobs": None, "finish_reason": "length", "stop_reason": None}
+    ]
+    # One usage block: the original prompt's tokens and every completion token.
+    assert sent[1]["usage"]["prompt_tokens"] == 2
+    assert sent[1]["usage"]["completion_tokens"] == 2
+    assert sent[-1] == b"[DONE]" and book.done and book.generated == [11, 13]
+
+
+def test_a_chat_continuation_is_made_chat_shaped() -> None:
+    book = ledger(chat=True, wants_ids=True)
+    book.feed(event(chat_chunk("", [], prompt_token_ids=[4])))
+    book.feed(event(chat_chunk(" x", [9])))
+    book.cut(replay=False)
+    [sent] = parsed(book.feed(event(chunk(" y", [10], "stop"))))
+    assert sent["object"] == "chat.completion.chunk" and sent["id"] == "chatcmpl-A"
+    assert sent["choices"][0]["delta"] == {"content": " y"}
+    assert sent["choices"][0]["token_ids"] == [10]
+    assert sent["choices"][0]["finish_reason"] == "stop" and book.finished
+
+
+def test_completions_text_offsets_continue_from_the_last_token_reported() -> None:
+    book = ledger()
+    logprobs = {
+        "tokens": [" a", "bc"],
+        "token_logprobs": [-1.0, -2.0],
+        "top_logprobs": None,
+        "text_offset": [0, 2],
+    }
+    book.feed(event(chunk(" abc", [1, 2], logprobs=logprobs, prompt_token_ids=[0])))
+    book.cut(replay=False)
+    following = chunk(
+        "d",
+        [3],
+        logprobs={
+            "tokens": ["d"],
+            "token_logprobs": [-0.5],
+            "top_logprobs": None,
+            "text_offset": [0],
+        },
+    )
+    [sent] = parsed(book.feed(event(following)))
+    assert sent["choices"][0]["logprobs"]["text_offset"] == [4]
+
+
+def test_a_replay_takes_out_what_the_client_holds() -> None:
+    book = ledger(wants_ids=True)
+    book.feed(event(chunk(" a", [11], prompt_token_ids=[1])))
+    book.feed(event(chunk(" b", [12])))
+    book.cut(replay=True)
+    out = book.feed(event(chunk(" a", [11])) + event(chunk(" b c", [12, 13])))
+    out += book.feed(event(chunk(" d", [14], "length")))
+    sent = parsed(out)
+    assert [c["choices"][0]["text"] for c in sent] == [" c", " d"]
+    assert [c["choices"][0]["token_ids"] for c in sent] == [[13], [14]]
+    assert book.generated == [11, 12, 13, 14]
+
+
+def test_a_stream_cut_after_its_last_token_is_closed_with_usage_and_done() -> None:
+    book = ledger()
+    book.feed(event(chunk(" a", [11], "length", prompt_token_ids=[1, 2])))
+    assert book.finished and not book.done
+    closing = parsed(book.closing())
+    assert closing[0]["usage"]["completion_tokens"] == 1
+    assert closing[0]["usage"]["prompt_tokens"] == 2
+    assert closing[-1] == b"[DONE]" and book.done
+
+
+def test_ids_whose_text_was_pending_are_generated_again_and_their_text_sent() -> None:
+    book = ledger(wants_ids=True)
+    book.feed(event(chunk(" a", [11], prompt_token_ids=[1])))
+    book.feed(event(chunk("", [12])))  # a token ending inside a UTF-8 character: no text yet
+    assert book.settled() == [11]
+    book.cut(replay=False)
+    out = book.feed(event(chunk("\u00e9", [12])) + event(chunk(" b", [13], "length")))
+    sent = parsed(out)
+    # The id the client has is not sent twice; the character it completes is sent once.
+    assert [c["choices"][0]["text"] for c in sent] == ["\u00e9", " b"]
+    assert [c["choices"][0]["token_ids"] for c in sent] == [[], [13]]
+    assert book.generated == [11, 12, 13]
+
+
+@pytest.mark.parametrize("field", ["reasoning_content", "reasoning"])
+def test_reasoning_makes_the_stream_unmigratable(field: str) -> None:
+    book = ledger(chat=True)
+    thought = chat_chunk("", [3])
+    thought["choices"][0]["delta"] = {field: "hmm"}
+    book.feed(event(thought))
+    assert not book.migratable
