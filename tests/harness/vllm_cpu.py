@@ -91,8 +91,8 @@ class VllmServer:
     advertise_host: str | None = LOOPBACK
     # "PdproxyConnector" (pdproxy's, announcing itself), or vLLM's "NixlConnector" (pull) or
     # "NixlPushConnector", on host memory: `kv_port` is then the NIXL side-channel port, and
-    # nothing announces the server.
-    kv_connector: Literal["PdproxyConnector", "NixlConnector", "NixlPushConnector"] = (
+    # nothing announces the server. None: no KV connector at all (a pooling model).
+    kv_connector: Literal["PdproxyConnector", "NixlConnector", "NixlPushConnector"] | None = (
         "PdproxyConnector"
     )
     # vLLM's NIXL engine id (kv_transfer_config.engine_id); None: vLLM draws a random one. A
@@ -180,12 +180,16 @@ class VllmServer:
             LOOPBACK,
             "--port",
             str(self.http_port),
-            "--kv-transfer-config",
-            json.dumps(self.kv_transfer_config()),
+            *self._kv_args(),
             *([] if self.block_size is None else ["--block-size", str(self.block_size)]),
             *self._parallel_args(),
             *self.extra_args,
         ]
+
+    def _kv_args(self) -> list[str]:
+        if self.kv_connector is None:
+            return []
+        return ["--kv-transfer-config", json.dumps(self.kv_transfer_config())]
 
     def _parallel_args(self) -> list[str]:
         if self.tp_size == 1:
