@@ -247,7 +247,8 @@ class VllmServer:
         return [row for row in rows if event is None or row.get("event") == event]
 
     def metrics_text(self) -> str:
-        status, body = http_get(f"{self.url}/metrics", 2.0)
+        # A loaded engine can take seconds to answer between steps; this is a read, not a probe.
+        status, body = http_get(f"{self.url}/metrics", 15.0)
         if status != 200:
             raise RuntimeError(f"{self.name} /metrics answered {status}")
         return body.decode()
