@@ -5,8 +5,8 @@ A continuation is always a /v1/completions request whose prompt is token ids: th
 prompt's ids followed by the ids generated so far, so the new pair computes exactly the context
 the failed decode held (no text is tokenised again), and a greedy request goes on with the
 tokens the uninterrupted run would have produced. Its limits are what is still owed. (The ids
-whose text vLLM had not sent yet, a UTF-8 character still incomplete, are generated again:
-the continuation's own detokenizer then sends their text.)
+after the last clean cut, StreamLedger.settled, are generated again: a prompt that ends inside
+a UTF-8 character would give the whole prompt's text back as the continuation's first text.)
 
 With stop strings the continuation is a replay instead: the original prompt's ids alone and the
 original limits, so vLLM checks its stop strings over the whole output (one that spans the cut

@@ -45,9 +45,14 @@ class StreamLedger:
         self.prompt_ids: list[int] | None = None
         self.generated: list[int] = []
         self.chars_sent = 0  # text characters the client has
-        # Output tokens whose text the client has in full: vLLM sends no text for a token
-        # that ends inside a UTF-8 character (nor for tokens after it) until one completes it.
+        # A clean cut: output tokens whose text the client has in full, and that text's length.
+        # vLLM sends no text for a token that ends inside a UTF-8 character (nor for tokens
+        # after it) until one completes it, and a continuation whose prompt ends inside one
+        # gets the whole prompt's text as its first text (the tokenizers library's stream
+        # decoder). A chunk of one token with text ends cleanly; a chunk of several may end
+        # with tokens still pending, so it moves the clean cut only if it holds one token.
         self._settled = 0
+        self._settled_chars = 0
         self.finished = False  # the choice's finish_reason went out
         self.done = False  # [DONE] went out
         self.migratable = True  # false once a tool call or reasoning went out
@@ -127,17 +132,14 @@ class StreamLedger:
         for choice in _choices(chunk):
             if choice.get("prompt_token_ids") is not None:
                 self.prompt_ids = _ids(choice["prompt_token_ids"])
-            ids = choice.get("token_ids")
-            if ids is not None:
-                self.generated.extend(_ids(ids))
+            ids = _ids(choice.get("token_ids") or [])
+            self.generated.extend(ids)
             if self._strip_ids and ("token_ids" in choice or "prompt_token_ids" in choice):
                 choice.pop("token_ids", None)
                 choice.pop("prompt_token_ids", None)
                 changed = True
             text = _text_of(choice, self.chat)
-            if text:
-                self.chars_sent += len(text)
-                self._settled = len(self.generated)
+            self._count_text(text, len(ids), len(text))
             delta = choice.get("delta")
             if isinstance(delta, dict) and (
                 delta.get("tool_calls") or delta.get("reasoning_content") or delta.get("reasoning")
@@ -147,11 +149,17 @@ class StreamLedger:
                 self.finished = True
         return changed
 
+    def _count_text(self, upstream_text: str, upstream_tokens: int, sent_chars: int) -> None:
+        self.chars_sent += sent_chars
+        replaying = self._skip_ids or self._skip_chars  # not yet past what the client has
+        if upstream_text and upstream_tokens == 1 and not replaying:
+            self._settled, self._settled_chars = len(self.generated), self.chars_sent
+
     # -- migrating -------------------------------------------------------------------------
 
     def settled(self) -> list[int]:
-        """The output ids a continuation goes on from: those whose text the client has. The
-        ids after them are generated again (their text was pending when the decode failed)."""
+        """The output ids a continuation goes on from: up to the last clean cut. The ids after
+        them are generated again, and what the client has of their text is not sent twice."""
         return self.generated[: self._settled]
 
     def cut(self, replay: bool) -> None:
@@ -163,8 +171,9 @@ class StreamLedger:
             self._skip_ids, self._skip_chars = len(self.generated), self.chars_sent
             self._offset_shift, self._before_cut = 0, 0
         else:
-            self._skip_ids, self._skip_chars = len(self.generated) - self._settled, 0
-            self._offset_shift, self._before_cut = self.chars_sent, self._settled
+            self._skip_ids = len(self.generated) - self._settled
+            self._skip_chars = self.chars_sent - self._settled_chars
+            self._offset_shift, self._before_cut = self._settled_chars, self._settled
 
     def closing(self) -> bytes:
         """What ends a stream whose choice finished but whose upstream did not end it: the
@@ -208,6 +217,7 @@ class StreamLedger:
             text = text if isinstance(text, str) else ""
             logprobs = choice.get("logprobs")
             finish = choice.get("finish_reason")
+            upstream_text, upstream_tokens = text, len(ids)
             if self._skip_ids and ids:
                 skipped = min(len(ids), self._skip_ids)
                 self._skip_ids -= skipped
@@ -218,14 +228,12 @@ class StreamLedger:
                 self._skip_chars -= skipped
                 text = text[skipped:]
             self.generated.extend(ids)
-            if text:
-                self._settled = len(self.generated)
+            self._count_text(upstream_text, upstream_tokens, len(text))
             if not ids and not text and finish is None:
                 continue  # all of it replayed what the client has
             if isinstance(logprobs, dict) and isinstance(logprobs.get("text_offset"), list):
                 shift = self._offset_shift
                 logprobs["text_offset"] = [o + shift for o in logprobs["text_offset"]]
-            self.chars_sent += len(text)
             if finish is not None:
                 self.finished = True
             new: dict[str, Any] = {"index": 0}

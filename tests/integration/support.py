@@ -8,12 +8,14 @@ import json
 import socket
 import threading
 import time
-from collections.abc import Awaitable, Callable
+from collections.abc import Awaitable, Callable, Iterator
+from contextlib import contextmanager
 from dataclasses import dataclass
+from pathlib import Path
 from typing import Any, Self
 from urllib.parse import urlsplit
 
-from pdproxy.demo.fleet import Worker
+from pdproxy.demo.fleet import LocalFleet, Worker, WorkerSpec
 from pdproxy.demo.processes import http_get
 
 
@@ -215,3 +217,14 @@ def json_answer(body: bytes) -> bytes:
         + b"\r\n\r\n"
         + body
     )
+
+
+@contextmanager
+def one_pair_fleet(log_dir: Path) -> Iterator[LocalFleet]:
+    """A started proxy with one prefill and one decode (KV addressed by the request-id tag) and
+    JSON logs, stopped on the way out (a start that fails half-way included)."""
+    fleet = LocalFleet(log_dir, [WorkerSpec("P"), WorkerSpec("D")], ["--log-format", "json"])
+    try:
+        yield fleet.start()
+    finally:
+        fleet.stop()

@@ -22,6 +22,7 @@ from pdproxy.ids import parse_request_id
 from tests.conftest import FleetFactory
 from tests.integration.support import (
     metric_value,
+    one_pair_fleet,
     open_raw_request,
     post_json,
     read_until,
@@ -100,16 +101,8 @@ def anthropic_client(fleet: LocalFleet, key: str = "unused") -> anthropic.Anthro
 
 @pytest.fixture(scope="module")
 def fleet(tmp_path_factory: pytest.TempPathFactory) -> Iterator[LocalFleet]:
-    """One prefill, one decode (KV addressed by the request-id tag), JSON logs."""
-    fleet = LocalFleet(
-        tmp_path_factory.mktemp("chat-apis"),
-        [WorkerSpec("P"), WorkerSpec("D")],
-        ["--log-format", "json"],
-    ).start()
-    try:
+    with one_pair_fleet(tmp_path_factory.mktemp("chat-apis")) as fleet:
         yield fleet
-    finally:
-        fleet.stop()
 
 
 def test_responses_runs_both_legs_and_relays_the_decodes_answer(fleet: LocalFleet) -> None:

@@ -19,6 +19,7 @@ from tests.conftest import FleetFactory
 from tests.integration.support import (
     hang_up_mid_stream_aborts,
     metric_value,
+    one_pair_fleet,
     open_raw_request,
     post_json,
 )
@@ -50,16 +51,8 @@ def streamed(body: bytes) -> list[dict[str, Any]]:
 
 @pytest.fixture(scope="module")
 def fleet(tmp_path_factory: pytest.TempPathFactory) -> Iterator[LocalFleet]:
-    """One prefill, one decode (KV addressed by the request-id tag), JSON logs."""
-    fleet = LocalFleet(
-        tmp_path_factory.mktemp("generate"),
-        [WorkerSpec("P"), WorkerSpec("D")],
-        ["--log-format", "json"],
-    ).start()
-    try:
+    with one_pair_fleet(tmp_path_factory.mktemp("generate")) as fleet:
         yield fleet
-    finally:
-        fleet.stop()
 
 
 def test_generate_runs_both_legs_and_relays_the_decodes_token_ids(fleet: LocalFleet) -> None:

@@ -140,15 +140,20 @@ def test_a_chat_continuation_is_made_chat_shaped() -> None:
     assert sent["choices"][0]["finish_reason"] == "stop" and book.finished
 
 
+def logprobs_of(tokens: list[str], offset: int) -> dict[str, Any]:
+    offsets = [offset + sum(len(t) for t in tokens[:i]) for i in range(len(tokens))]
+    return {
+        "tokens": tokens,
+        "token_logprobs": [-1.0] * len(tokens),
+        "top_logprobs": None,
+        "text_offset": offsets,
+    }
+
+
 def test_completions_text_offsets_continue_from_the_last_token_reported() -> None:
     book = ledger()
-    logprobs = {
-        "tokens": [" a", "bc"],
-        "token_logprobs": [-1.0, -2.0],
-        "top_logprobs": None,
-        "text_offset": [0, 2],
-    }
-    book.feed(event(chunk(" abc", [1, 2], logprobs=logprobs, prompt_token_ids=[0])))
+    first = chunk(" a", [1], logprobs=logprobs_of([" a"], 0), prompt_token_ids=[0])
+    book.feed(event(first) + event(chunk("bc", [2], logprobs=logprobs_of(["bc"], 2))))
     book.cut(replay=False)
     following = chunk(
         "d",
@@ -208,3 +213,36 @@ def test_reasoning_makes_the_stream_unmigratable(field: str) -> None:
     thought["choices"][0]["delta"] = {field: "hmm"}
     book.feed(event(thought))
     assert not book.migratable
+
+
+def test_a_chunk_of_several_tokens_is_no_clean_cut_so_its_tokens_are_generated_again() -> None:
+    # vLLM merges steps into one chunk when the reader lags: its last token may end inside a
+    # UTF-8 character (no text yet), and a continuation whose prompt ends there would get its
+    # whole prompt's text as its first text. So the cut goes back to the last one-token chunk.
+    book = ledger(wants_ids=True)
+    book.feed(event(chunk(" a", [11], logprobs=logprobs_of([" a"], 0), prompt_token_ids=[1])))
+    merged = chunk(" b", [12, 13], logprobs=logprobs_of([" b", ""], 2))
+    book.feed(event(merged))
+    assert book.settled() == [11]
+    book.cut(replay=False)
+    again = [
+        chunk(" b", [12], logprobs=logprobs_of([" b"], 0)),
+        chunk("", [13], logprobs=logprobs_of([""], 2)),
+        chunk("\u00e9 c", [14], "length", logprobs=logprobs_of(["\u00e9 c"], 2)),
+    ]
+    sent = parsed(book.feed(b"".join(event(c) for c in again)))
+    # What the client has is not sent twice: its ids, its logprobs and its text.
+    assert [c["choices"][0]["text"] for c in sent] == ["\u00e9 c"]
+    assert [c["choices"][0]["token_ids"] for c in sent] == [[14]]
+    assert sent[0]["choices"][0]["logprobs"]["text_offset"] == [4]
+    assert book.generated == [11, 12, 13, 14] and book.chars_sent == 7
+
+
+def test_a_replay_moves_the_clean_cut_only_past_what_the_client_has() -> None:
+    book = ledger(wants_ids=True)
+    book.feed(event(chunk(" a", [11], prompt_token_ids=[1])) + event(chunk(" b", [12])))
+    book.cut(replay=True)
+    book.feed(event(chunk(" a", [11])))  # regenerated: the clean cut is still after " b"
+    assert book.settled() == [11, 12]
+    book.feed(event(chunk(" b", [12])) + event(chunk(" c", [13])))
+    assert book.settled() == [11, 12, 13] and book.chars_sent == 6
