@@ -11,6 +11,9 @@ parser) that answers, with keep-alive:
   A body field ``"bench_token_interval_ms": MS`` (> 0) makes a streamed answer slow instead: the
   head and the first event at once, then one event every MS milliseconds (``[DONE]`` with the
   last), so streams stay open (a benchmark's idle streams). Routers pass the field through.
+  With ``"return_token_ids": true`` its chunks carry token ids as vLLM's do (the prompt's in the
+  first chunk, each event's own), so a router that asks for them (pdproxy does, for request
+  migration) pays for reading them.
 * ``GET /health``: 200, empty body.
 * ``GET /v1/models``: a one-model list.
 * ``GET /bench/stats``: this process's counters as JSON (completions answered, streams, slow
@@ -193,7 +196,9 @@ def _completion_body(chat: bool, model: str, max_tokens: int, kv_params: bool = 
 
 
 @functools.lru_cache(maxsize=256)
-def _stream_events(chat: bool, model: str, n_events: int) -> tuple[bytes, ...]:
+def _stream_events(
+    chat: bool, model: str, n_events: int, token_ids: bool = False
+) -> tuple[bytes, ...]:
     """The SSE events (each ``data: ...\\n\\n``) of a streamed answer, ``[DONE]`` included."""
     events: list[bytes] = []
     for i in range(n_events):
@@ -222,6 +227,11 @@ def _stream_events(chat: bool, model: str, n_events: int) -> tuple[bytes, ...]:
                     {"index": 0, "text": " tok", "logprobs": None, "finish_reason": finish}
                 ],
             }
+        if token_ids:
+            choice = chunk["choices"][0]
+            choice["token_ids"] = [100 + i % 500]
+            if i == 0:  # vLLM: at the top of a chat chunk, in a completions choice
+                (chunk if chat else choice)["prompt_token_ids"] = [1, 2]
         events.append(b"data: " + _dumps(chunk) + b"\n\n")
     events.append(b"data: [DONE]\n\n")
     return tuple(events)
@@ -232,9 +242,9 @@ def _chunk(event: bytes) -> bytes:
 
 
 def _stream_response(
-    chat: bool, model: str, n_events: int, keep_alive: bool, chunked: bool
+    chat: bool, model: str, n_events: int, keep_alive: bool, chunked: bool, token_ids: bool
 ) -> bytes:
-    events = _stream_events(chat, model, n_events)
+    events = _stream_events(chat, model, n_events, token_ids)
     if not chunked:
         body = b"".join(events)
         return _head(200, b"text/event-stream", len(body), keep_alive) + body
@@ -475,11 +485,12 @@ class BackendProtocol(asyncio.Protocol):
         if request.get("stream") is True:
             stats.streams += 1
             interval_ms = _int_field(request.get(TOKEN_INTERVAL_FIELD), 0)
+            token_ids = request.get("return_token_ids") is True
             if interval_ms > 0 and max_tokens > 1:
-                events = _stream_events(chat, model, max_tokens)
+                events = _stream_events(chat, model, max_tokens, token_ids)
                 interval_s = min(interval_ms, MAX_TOKEN_INTERVAL_MS) / 1000.0
                 return SlowStream(events, interval_s, self._chunked, keep_alive)
-            return _stream_response(chat, model, max_tokens, keep_alive, self._chunked)
+            return _stream_response(chat, model, max_tokens, keep_alive, self._chunked, token_ids)
         with_kv = (
             self._prefill
             and isinstance(kv_params, dict)

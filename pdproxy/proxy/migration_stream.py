@@ -56,6 +56,10 @@ class StreamLedger:
         self.finished = False  # the choice's finish_reason went out
         self.done = False  # [DONE] went out
         self.migratable = True  # false once a tool call or reasoning went out
+        # An upstream that sends no token ids (not vLLM, or one too old) cannot be continued:
+        # its stream is relayed as it comes, watched only for its [DONE].
+        self._passthrough = False
+        self._tail = b""
         self.migrations = 0
         # A replayed continuation (migration_plan.continuation) regenerates what the client
         # has: that many token ids and characters of it are not sent again.
@@ -71,6 +75,8 @@ class StreamLedger:
 
     def feed(self, data: bytes) -> bytes:
         """The whole events of `data` (after what was buffered) as the client gets them."""
+        if self._passthrough:
+            return self._relayed(data)
         buffer = self._buffer + data if self._buffer else data
         end = buffer.rfind(_EVENT_END)
         if end < 0:
@@ -80,13 +86,25 @@ class StreamLedger:
         whole, self._buffer = buffer[: end + 2], buffer[end + 2 :]
         self._check_buffer(self._buffer)
         out = []
-        for event in whole.split(_EVENT_END)[:-1]:
+        events = whole.split(_EVENT_END)[:-1]
+        for number, event in enumerate(events):
             if self.done:
                 continue
             sent = self._event(event)
             if sent is not None:
                 out.append(sent)
+            if self._passthrough:  # the rest as it came
+                rest = b"".join(e + _EVENT_END for e in events[number + 1 :]) + self._buffer
+                out.append(self._relayed(rest))
+                self._buffer = b""
+                break
         return b"".join(out)
+
+    def _relayed(self, data: bytes) -> bytes:
+        if data:
+            self._tail = (self._tail + data)[-len(SSE_DONE) :]
+            self.done = self._tail == SSE_DONE
+        return data
 
     def _check_buffer(self, buffer: bytes) -> None:
         if len(buffer) > self._max_event:
@@ -116,35 +134,57 @@ class StreamLedger:
         changed = self._record(chunk)
         if "error" in chunk:
             self.migratable = False  # the instance's own error event: relayed as it is
+        elif self.prompt_ids is None and not self.generated:
+            self.migratable, self._passthrough = False, True
         if not changed:
             return event + _EVENT_END
         return _DATA + orjson.dumps(chunk) + _EVENT_END
 
     def _record(self, chunk: dict[str, Any]) -> bool:
         """Keep what a continuation needs from one chunk; whether the chunk was changed."""
-        changed = False
+        # Run for every event a migrating stream relays: see docs/performance.md.
+        strip, changed = self._strip_ids, False
         top_prompt = chunk.get("prompt_token_ids")
         if top_prompt is not None:
             self.prompt_ids = _ids(top_prompt)
-            if self._strip_ids:
+            if strip:
                 del chunk["prompt_token_ids"]
                 changed = True
-        for choice in _choices(chunk):
-            if choice.get("prompt_token_ids") is not None:
-                self.prompt_ids = _ids(choice["prompt_token_ids"])
-            ids = _ids(choice.get("token_ids") or [])
-            self.generated.extend(ids)
-            if self._strip_ids and ("token_ids" in choice or "prompt_token_ids" in choice):
-                choice.pop("token_ids", None)
-                choice.pop("prompt_token_ids", None)
+        choices = chunk.get("choices")
+        if type(choices) is not list:
+            return changed
+        for choice in choices:
+            if type(choice) is not dict:
+                continue
+            if strip and ("token_ids" in choice or "prompt_token_ids" in choice):
+                ids = choice.pop("token_ids", None)
+                prompt = choice.pop("prompt_token_ids", None)
                 changed = True
-            text = _text_of(choice, self.chat)
-            self._count_text(text, len(ids), len(text))
-            delta = choice.get("delta")
-            if isinstance(delta, dict) and (
-                delta.get("tool_calls") or delta.get("reasoning_content") or delta.get("reasoning")
-            ):
-                self.migratable = False
+            else:
+                ids, prompt = choice.get("token_ids"), choice.get("prompt_token_ids")
+            if prompt is not None:
+                self.prompt_ids = _ids(prompt)
+            count = 0
+            if ids is not None:
+                self.generated.extend(_ids(ids))
+                count = len(ids)
+            if self.chat:
+                delta = choice.get("delta")
+                if type(delta) is not dict:
+                    text = ""
+                else:
+                    text = delta.get("content") or ""
+                    if (
+                        delta.get("tool_calls")
+                        or delta.get("reasoning_content")
+                        or delta.get("reasoning")
+                    ):
+                        self.migratable = False
+            else:
+                text = choice.get("text") or ""
+            if type(text) is not str:
+                text = ""
+            self._count_text(text, count, len(text))
             if choice.get("finish_reason") is not None:
                 self.finished = True
         return changed
@@ -263,15 +303,6 @@ def _choices(chunk: dict[str, Any]) -> list[dict[str, Any]]:
     return [c for c in choices if isinstance(c, dict)]
 
 
-def _text_of(choice: dict[str, Any], chat: bool) -> str:
-    if chat:
-        delta = choice.get("delta")
-        text = delta.get("content") if isinstance(delta, dict) else None
-    else:
-        text = choice.get("text")
-    return text if isinstance(text, str) else ""
-
-
 def _without_first(logprobs: Any, count: int) -> Any:
     """Completions logprobs without their first `count` tokens' entries."""
     if not isinstance(logprobs, dict):
@@ -280,10 +311,11 @@ def _without_first(logprobs: Any, count: int) -> Any:
 
 
 def _ids(value: Any) -> list[int]:
-    if not isinstance(value, list) or not all(
-        isinstance(t, int) and not isinstance(t, bool) for t in value
-    ):
+    if type(value) is not list:
         raise MalformedStream("token ids that are not a list of integers")
+    for token in value:
+        if type(token) is not int:
+            raise MalformedStream("token ids that are not a list of integers")
     return value
 
 

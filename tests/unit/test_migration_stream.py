@@ -246,3 +246,15 @@ def test_a_replay_moves_the_clean_cut_only_past_what_the_client_has() -> None:
     assert book.settled() == [11, 12]
     book.feed(event(chunk(" b", [12])) + event(chunk(" c", [13])))
     assert book.settled() == [11, 12, 13] and book.chars_sent == 6
+
+
+def test_a_stream_without_token_ids_is_relayed_as_it_comes_and_watched_for_done() -> None:
+    # An upstream that ignores return_token_ids cannot be continued: its events are not read.
+    book = ledger()
+    plain = chunk(" a", [])
+    del plain["choices"][0]["token_ids"]
+    first, rest = event(plain), b'data: {"odd":  1}\n\n: comment\n\ndata: [DO'
+    assert book.feed(first + rest) == first + rest  # byte for byte, a partial event included
+    assert not book.migratable and book.prompt_ids is None and not book.done
+    assert book.feed(b"NE]\n\n") == b"NE]\n\n" and book.done
+    assert book.feed(b"data: x\n\n") == b"data: x\n\n" and not book.done
