@@ -4,18 +4,35 @@ so pdproxy's migrating relay does the work it does in front of vLLM."""
 from __future__ import annotations
 
 import json
+import sys
+from collections.abc import Iterator
+from pathlib import Path
+from typing import Any
 
 import pytest
 
-from benchmarks.fast_backend import _stream_events
 from pdproxy.proxy.migration_stream import StreamLedger
+
+BENCHMARKS = Path(__file__).resolve().parents[2] / "benchmarks"
+
+
+@pytest.fixture(scope="module")
+def backend() -> Iterator[Any]:
+    """The module, imported as the benchmarks import it (by bare name)."""
+    sys.path.insert(0, str(BENCHMARKS))
+    try:
+        import fast_backend
+
+        yield fast_backend
+    finally:
+        sys.path.remove(str(BENCHMARKS))
 
 
 @pytest.mark.parametrize("chat", [False, True])
-def test_streams_carry_token_ids_only_when_asked(chat: bool) -> None:
-    plain = b"".join(_stream_events(chat, "m", 4))
+def test_streams_carry_token_ids_only_when_asked(backend: Any, chat: bool) -> None:
+    plain = b"".join(backend._stream_events(chat, "m", 4))
     assert b"token_ids" not in plain
-    events = _stream_events(chat, "m", 4, token_ids=True)
+    events = backend._stream_events(chat, "m", 4, token_ids=True)
     chunks = [json.loads(e[6:]) for e in events[:-1]]
     first = chunks[0] if chat else chunks[0]["choices"][0]
     assert first["prompt_token_ids"] == [1, 2]
