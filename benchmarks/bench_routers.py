@@ -70,6 +70,7 @@ from bench_proxy import (
     Pinning,
     ProcessGroup,
     Started,
+    group_sys_and_switches,
     http_request,
     loadgen_result,
 )
@@ -540,6 +541,7 @@ def run_loadgen(
         argv += ["--sse", "--expect-events", str(expect_events)]
     aux = [backends.prefill.proc.pid, backends.decode.proc.pid]
     server_cpu0 = group_cpu_seconds(server.proc.pid)
+    server_sys0 = group_sys_and_switches(server.proc.pid)
     aux_cpu0 = [group_cpu_seconds(pid) for pid in aux]
     started = time.monotonic()
     proc = subprocess.Popen(
@@ -560,6 +562,7 @@ def run_loadgen(
         raise
     wall = time.monotonic() - started
     server_cpu1 = group_cpu_seconds(server.proc.pid)
+    server_sys1 = group_sys_and_switches(server.proc.pid)
     aux_cpu1 = [group_cpu_seconds(pid) for pid in aux]
     group.stop(item)
     result = loadgen_result(item.proc.returncode, out, err, f"{label} c={concurrency}")
@@ -574,6 +577,13 @@ def run_loadgen(
             result["server_cpu_us_per_req"] = cpu / result["total_ok"] * 1e6
             if expect_events:
                 result["server_cpu_us_per_chunk"] = cpu / (result["total_ok"] * expect_events) * 1e6
+    result["server_sys_us_per_req"] = result["server_waits_per_req"] = None
+    result["server_preempted_per_req"] = None
+    if server_sys0 is not None and server_sys1 is not None and result.get("total_ok"):
+        ok = result["total_ok"]
+        result["server_sys_us_per_req"] = (server_sys1[0] - server_sys0[0]) / ok * 1e6
+        result["server_waits_per_req"] = (server_sys1[1] - server_sys0[1]) / ok
+        result["server_preempted_per_req"] = (server_sys1[2] - server_sys0[2]) / ok
     aux_cpu = sum((b or 0.0) - (a or 0.0) for a, b in zip(aux_cpu0, aux_cpu1, strict=True)) + (
         result.get("client_cpu_s") or 0.0
     )
@@ -999,6 +1009,9 @@ SUMMARY_MEDIANS = (
     "ttfb_p99_ms",
     "server_cpu_us_per_req",
     "server_cpu_us_per_chunk",
+    "server_sys_us_per_req",
+    "server_waits_per_req",
+    "server_preempted_per_req",
     "aux_busy",
     "vs_baseline",
     "vs_fastest_rust",
@@ -1102,6 +1115,9 @@ def tables(report: dict[str, Any]) -> str:
                 *_ratios(r, rounds, nginx),
                 _num(r.get("server_cpu_us_per_req"), ",.0f"),
                 *_cpu_vs_nginx(r, nginx),
+                _num(r.get("server_sys_us_per_req"), ",.0f"),
+                _num(r.get("server_waits_per_req"), ".2f"),
+                _num(r.get("server_preempted_per_req"), ".2f"),
                 _num(r.get("aux_busy"), ".0%"),
             ]
             for r in sorted(
@@ -1110,7 +1126,7 @@ def tables(report: dict[str, Any]) -> str:
         ]
         header = ["router", "conc", "req/s", "p50 ms", "p99 ms", "errors",
                   *_ratio_header(rounds, nginx), "server CPU us/req", *cpu_header,
-                  "aux core busy"]  # fmt: skip
+                  "of it system us/req", "waits/req", "preempted/req", "aux core busy"]  # fmt: skip
         title = f"### Non-streaming POST /v1/completions{median}"
         parts.append(title + "\n\n" + _md(header, rows))
     if summary["stream"]:
