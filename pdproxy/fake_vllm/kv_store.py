@@ -53,7 +53,8 @@ class KvStore:
         waiters = self._waiters.setdefault(request_id, set())
         waiters.add(waiter)
         try:
-            return await asyncio.wait_for(waiter, timeout_s)
+            async with asyncio.timeout(timeout_s):  # not wait_for: see KvSender.push
+                return await waiter
         except TimeoutError:
             return None
         finally:  # also on cancellation: no waiter outlives its request

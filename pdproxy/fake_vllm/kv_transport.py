@@ -133,8 +133,11 @@ class KvSender:
     async def push(self, destination: str, message: Push | Register, timeout_s: float) -> None:
         """Queue the message for `destination`; raises zmq.ZMQError, TimeoutError or WireError."""
         frame = encode(message)
-        # asyncio sockets never block the loop, but a full queue would wait forever.
-        await asyncio.wait_for(self._socket(destination).send(frame), timeout_s)
+        # asyncio sockets never block the loop, but a full queue would wait forever. Not
+        # wait_for: Python 3.11's loses a cancellation that comes as the send completes, and
+        # a decode leg the proxy closed would then wait out its KV instead of ending.
+        async with asyncio.timeout(timeout_s):
+            await self._socket(destination).send(frame)
 
     def close(self) -> None:
         for sock in self._sockets.values():
