@@ -435,6 +435,14 @@ class Settings(BaseModel):
         description="Migrations per request at most (a continuation that fails too is migrated "
         "again, within the request's deadline); 0 is the same as migration off.",
     )
+    migration_whole_min_tokens: int = Field(
+        256,
+        ge=0,
+        description="With migration on, a whole (non-streamed) answer that may run this many "
+        "output tokens or more is read from its decode as a stream, so that it can be "
+        "continued too; a shorter one is computed again from its prompt if its decode fails. "
+        "0: every whole answer.",
+    )
     retry_backoff_base_seconds: float = Field(
         0.025,
         ge=0,
@@ -840,6 +848,7 @@ SETTING_GROUPS: dict[str, tuple[str, ...]] = {
         "max_attempts",
         "migration",
         "migration_limit",
+        "migration_whole_min_tokens",
         "retry_backoff_base_seconds",
         "retry_backoff_max_seconds",
         "outlier_consecutive_failures",

@@ -238,7 +238,8 @@ class Metrics:
         )
         self.migrations = Counter(
             "pdproxy_migrations",
-            "Streamed answers continued on another pair after their decode failed mid-stream, "
+            "Answers (streamed, or whole and long) continued on another pair after their decode "
+            "failed mid-answer, "
             "by the failure's reason and the migration's outcome: completed (the continuation "
             "ended the answer), failed (it failed too, or no pair was left), refused (not "
             "migrated: migration_limit reached, no token ids, a tool call or reasoning sent).",

@@ -48,10 +48,10 @@ from pdproxy.proxy.kv_params import (
 from pdproxy.proxy.lease import LegLease, lease_direct, lease_pair
 from pdproxy.proxy.migration_plan import (
     TOKEN_IDS_FIELD,
-    asking_token_ids,
     continuation,
     migration_refusal,
     replays,
+    upstream_for_migration,
 )
 from pdproxy.proxy.migration_stream import MalformedStream, StreamLedger
 from pdproxy.proxy.prompt import request_features
@@ -154,9 +154,10 @@ class Dispatcher:
         trace: RequestTrace,
     ) -> None:
         original = request
-        if self._migration_limit and migration_refusal(request) is None:
+        whole_min = self._settings.migration_whole_min_tokens
+        if self._migration_limit and migration_refusal(request, whole_min) is None:
             exchange.ledger = self._ledger(request)
-            request = asking_token_ids(request)
+            request = upstream_for_migration(request)
         features = self.features(request)
         failed: set[str] = set()  # instances that failed this request: passed over if possible
         failures = 0
@@ -174,7 +175,7 @@ class Dispatcher:
                     return
                 except LegFailed as failure:
                     last = failure
-                    if exchange.started:
+                    if exchange.started or _whole_under_way(exchange):
                         if migrating is not None:
                             self._metrics.migrations.labels(migrating, "failed").inc()
                             migrating = None
@@ -190,6 +191,8 @@ class Dispatcher:
                         continue
                     if not failure.retryable:
                         raise
+                    if exchange.ledger is not None and exchange.ledger.whole:
+                        exchange.ledger = self._ledger(original)  # what it read is dropped
                     failed.add(failure.instance)
                     failures += 1
                     remaining = exchange.deadline - exchange.task.get_loop().time()
@@ -225,6 +228,7 @@ class Dispatcher:
             payload.get(TOKEN_IDS_FIELD) is True,
             isinstance(options, dict) and bool(options.get("include_usage")),
             self._settings.max_response_bytes,
+            whole=not request.stream,
         )
 
     async def _finish_early(self, exchange: Exchange) -> bool:
@@ -233,7 +237,10 @@ class Dispatcher:
         ledger = exchange.ledger
         if ledger is None or not ledger.finished or ledger.done or exchange.complete:
             return False
-        await exchange.end_stream(ledger.closing())
+        if ledger.whole:
+            await _answer_ledgered(exchange, ledger)
+        else:
+            await exchange.end_stream(ledger.closing())
         return True
 
     def _continuation(
@@ -552,13 +559,16 @@ class Dispatcher:
                     await exchange.whole(stream.status, stream.content_type, body)
                     return False
                 chunk = await stream.next_chunk()
-                leg.answered = bool(chunk)
+                ledger = exchange.ledger
+                # A whole answer's chunks stay in the proxy: computing it again from its prompt
+                # sends the client nothing twice (done when it cannot be continued).
+                leg.answered = bool(chunk) and (ledger is None or not ledger.whole)
                 self._first_byte(exchange, started)
-                # The client's first token leaves now: the request's time to first token.
-                self._metrics.first_token_sent(time.perf_counter() - exchange.arrived)
+                if ledger is None or not ledger.whole:
+                    # The client's first token leaves now: the request's time to first token.
+                    self._metrics.first_token_sent(time.perf_counter() - exchange.arrived)
                 deadline.reschedule(None)
                 leg.waiting, leg.limit = "next chunk", settings.stream_idle_timeout
-                ledger = exchange.ledger
                 if ledger is not None:
                     await self._relay_ledgered(leg, stream, chunk, exchange, ledger, deadline)
                     return False
@@ -584,16 +594,18 @@ class Dispatcher:
         deadline: Deadline,
     ) -> None:
         """The relay with migration on: whole events only, read by the ledger (a first leg's
-        or a continuation's); a stream that ends before its [DONE] is a failed leg."""
+        or a continuation's); a stream that ends before its [DONE] is a failed leg. For a whole
+        answer nothing is relayed: the ledger's answer goes out once the stream ends."""
         loop = exchange.task.get_loop()
-        if not exchange.started:
+        whole = ledger.whole
+        if not exchange.started and not whole:
             await exchange.start_stream(stream.status, stream.content_type)
         while chunk:
             try:
                 data = ledger.feed(chunk)
             except MalformedStream as exc:
                 raise leg.failed(FailureKind.PROTOCOL, f"sent {exc}") from None
-            if data:
+            if data and not whole:
                 await exchange.chunk(data)
             deadline.reschedule(loop.time() + leg.limit)
             chunk = await stream.next_chunk()
@@ -601,7 +613,10 @@ class Dispatcher:
         if not ledger.done:
             raise leg.failed(FailureKind.PROTOCOL, "ended its stream before [DONE]")
         leg.succeeded()
-        await exchange.end_stream()
+        if whole:
+            await _answer_ledgered(exchange, ledger)
+        else:
+            await exchange.end_stream()
 
     def _first_byte(self, exchange: Exchange, started: float) -> None:
         exchange.notes.decode_first_byte_seconds = time.perf_counter() - started
@@ -609,9 +624,10 @@ class Dispatcher:
 
 
 async def _answer_whole(exchange: Exchange, status: int, content_type: bytes, body: bytes) -> None:
-    """Relay an instance's refusal; once a stream is under way (a continuation refused), the
-    stream ends with an error event instead (its status is sent already)."""
-    if not exchange.started:
+    """Relay an instance's refusal; once an answer is under way (a continuation refused), the
+    answer fails instead: a stream ends with an error event (its status is sent already)."""
+    ledger = exchange.ledger
+    if not exchange.started and (ledger is None or not ledger.migrations):
         await exchange.whole(status, content_type, body)
         return
     text = body[:_ERROR_SNIPPET].decode("utf-8", errors="replace")
@@ -620,6 +636,23 @@ async def _answer_whole(exchange: Exchange, status: int, content_type: bytes, bo
         f"the answer could not be continued: the new pair answered HTTP {status}: {text}",
         code="migration_refused",
     )
+
+
+async def _answer_ledgered(exchange: Exchange, ledger: StreamLedger) -> None:
+    """A whole answer the ledger put together from its decode legs' streams."""
+    status, body = ledger.whole_answer()
+    await exchange.whole(status, b"application/json", body)
+
+
+def _whole_under_way(exchange: Exchange) -> bool:
+    """Whether a whole answer's decode had sent some of it, with the token ids to continue it
+    on another pair (or a continuation is running)."""
+    ledger = exchange.ledger
+    if ledger is None or not ledger.whole:
+        return False
+    if ledger.migrations:
+        return True
+    return ledger.migratable and ledger.prompt_ids is not None and bool(ledger.generated)
 
 
 def _nixl_push_decode_params(prefill: Instance, request_id: str) -> dict[str, Any]:

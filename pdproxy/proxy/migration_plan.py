@@ -1,5 +1,6 @@
-"""Request migration, the request side (pure): which streams may be continued on another pair,
-the decode body that asks upstream for token ids, and the continuation request.
+"""Request migration, the request side (pure): which answers may be continued on another pair,
+the decode body that asks upstream for token ids (and, for a whole answer, for a stream the
+proxy reads and answers whole), and the continuation request.
 
 A continuation is always a /v1/completions request whose prompt is token ids: the original
 prompt's ids followed by the ids generated so far, so the new pair computes exactly the context
@@ -60,10 +61,19 @@ _STATEFUL = (
 )
 
 
-def migration_refusal(request: CompletionRequest) -> str | None:
-    """Why this request's stream cannot be continued on another pair, or None if it can."""
+def migration_refusal(request: CompletionRequest, whole_min_tokens: int) -> str | None:
+    """Why this request's answer cannot be continued on another pair, or None if it can. A
+    whole answer that may run fewer than `whole_min_tokens` output tokens is computed again
+    from its prompt instead: cheaper than reading every token of every such answer
+    (docs/performance.md)."""
     if not request.stream:
-        return "not streamed"  # a whole answer is re-run from its prompt instead
+        limit = output_limit(request)
+        if limit is not None and limit < whole_min_tokens:
+            return "a short whole answer"
+        if request.payload.get("stream_options") is not None:
+            return "stream options without a stream"  # vLLM's own 400, not a stream of ours
+        if request.payload.get("prompt_logprobs") is not None:
+            return "prompt logprobs"  # kept in the answer vLLM puts together, not in chunks
     if request.generate:
         return "generate"
     if request.responses or request.messages:
@@ -92,16 +102,19 @@ def migration_refusal(request: CompletionRequest) -> str | None:
     return None
 
 
-def asking_token_ids(request: CompletionRequest) -> CompletionRequest:
+def upstream_for_migration(request: CompletionRequest) -> CompletionRequest:
     """`request` asking upstream for its prompt's and output's token ids (what a continuation
-    is built from); the request itself if the client asked already."""
-    if request.payload.get(TOKEN_IDS_FIELD) is True:
+    is built from), and a whole answer asked for as a stream with its usage (the proxy reads
+    it and answers whole); the request itself if it asks for all that already."""
+    payload = request.payload
+    if request.stream and payload.get(TOKEN_IDS_FIELD) is True:
         return request
-    payload = dict(request.payload)
+    payload = dict(payload)
     payload[TOKEN_IDS_FIELD] = True
-    return CompletionRequest(
-        request.path, orjson.dumps(payload), payload, request.model, request.stream
-    )
+    if not request.stream:
+        payload["stream"] = True
+        payload["stream_options"] = {"include_usage": True}
+    return CompletionRequest(request.path, orjson.dumps(payload), payload, request.model, True)
 
 
 def output_limit(request: CompletionRequest) -> int | None:

@@ -1,5 +1,7 @@
 """Request migration, the stream side (pure): what a relayed stream has given the client so far,
-and continuation chunks made to look like the rest of the same answer.
+and continuation chunks made to look like the rest of the same answer. For a client that asked
+for a whole answer, the stream its decode sends is read the same way and nothing is relayed:
+the ledger puts the answer together (`whole_answer`) once the stream ends.
 
 With migration on, the relay forwards whole SSE events only (a partial event at a cut never
 reaches the client) and reads each one just enough to keep the continuation's inputs: the
@@ -36,9 +38,12 @@ class StreamLedger:
         client_wants_ids: bool,
         include_usage: bool,
         max_event_bytes: int,
+        whole: bool = False,
     ) -> None:
         self.chat = chat
-        self._strip_ids = not client_wants_ids
+        self.whole = whole
+        self._client_wants_ids = client_wants_ids
+        self._strip_ids = not client_wants_ids and not whole  # a whole answer's chunks stay here
         self._include_usage = include_usage
         self._max_event = max_event_bytes
         self._buffer = b""
@@ -70,6 +75,15 @@ class StreamLedger:
         self._created: Any = None
         self._model: Any = None
         self._before_cut = 0  # tokens generated before the current continuation
+        # A whole answer's parts, as the client will get them.
+        self._texts: list[str] = []
+        self._reasoning: list[str] = []
+        self._reasoning_field = "reasoning"
+        self._logprobs: dict[str, list[Any]] | None = None
+        self._finish: Any = None
+        self._stop_reason: Any = None
+        self.error: Any = None  # the instance's own error event
+        self._whole_bytes = 0
 
     # -- relaying --------------------------------------------------------------------------
 
@@ -77,6 +91,13 @@ class StreamLedger:
         """The whole events of `data` (after what was buffered) as the client gets them."""
         if self._passthrough:
             return self._relayed(data)
+        if self.whole:  # kept here until it ends: bounded like a whole answer's body
+            self._whole_bytes += len(data)
+            if self._whole_bytes > self._max_event:
+                self.migratable = False  # a continuation would only add to it
+                raise MalformedStream(
+                    f"a whole answer's stream longer than {self._max_event} bytes"
+                )
         buffer = self._buffer + data if self._buffer else data
         end = buffer.rfind(_EVENT_END)
         if end < 0:
@@ -134,8 +155,9 @@ class StreamLedger:
         changed = self._record(chunk)
         if "error" in chunk:
             self.migratable = False  # the instance's own error event: relayed as it is
+            self.error = chunk["error"]
         elif self.prompt_ids is None and not self.generated:
-            self.migratable, self._passthrough = False, True
+            self.migratable, self._passthrough = False, not self.whole
         if not changed:
             return event + _EVENT_END
         return _DATA + orjson.dumps(chunk) + _EVENT_END
@@ -180,14 +202,40 @@ class StreamLedger:
                         or delta.get("reasoning")
                     ):
                         self.migratable = False
+                        if self.whole:
+                            self._collect_reasoning(delta)
             else:
                 text = choice.get("text") or ""
             if type(text) is not str:
                 text = ""
             self._count_text(text, count, len(text))
+            if self.whole:
+                self._collect(text, choice.get("logprobs"), choice)
             if choice.get("finish_reason") is not None:
                 self.finished = True
         return changed
+
+    def _collect(self, text: str, logprobs: Any, choice: dict[str, Any]) -> None:
+        """Keep a whole answer's part of one choice chunk."""
+        if text:
+            self._texts.append(text)
+        if isinstance(logprobs, dict):
+            if self._logprobs is None:
+                self._logprobs = {k: [] for k, v in logprobs.items() if isinstance(v, list)}
+            for key, values in self._logprobs.items():
+                part = logprobs.get(key)
+                if isinstance(part, list):
+                    values.extend(part)
+        finish = choice.get("finish_reason")
+        if finish is not None:
+            self._finish, self._stop_reason = finish, choice.get("stop_reason")
+
+    def _collect_reasoning(self, delta: dict[str, Any]) -> None:
+        for field in ("reasoning_content", "reasoning"):
+            part = delta.get(field)
+            if isinstance(part, str) and part:
+                self._reasoning.append(part)
+                self._reasoning_field = field
 
     def _count_text(self, upstream_text: str, upstream_tokens: int, sent_chars: int) -> None:
         self.chars_sent += sent_chars
@@ -230,6 +278,54 @@ class StreamLedger:
             "usage": self._usage(len(self.generated)),
         }
         return _DATA + orjson.dumps(chunk) + _EVENT_END + SSE_DONE
+
+    def whole_answer(self) -> tuple[int, bytes]:
+        """The status and JSON body a client that asked for no stream gets: the instance's own
+        error, or the answer put together from every leg's chunks."""
+        if self.error is not None:
+            code = self.error.get("code") if isinstance(self.error, dict) else None
+            status = code if isinstance(code, int) and 400 <= code <= 599 else 500
+            return status, orjson.dumps({"error": self.error})
+        # The fields and nulls of vLLM's own whole answers (its CompletionResponse and
+        # ChatCompletionResponse), so that clients cannot tell the difference.
+        ids = self.generated if self._client_wants_ids else None
+        prompt_ids = self.prompt_ids if self._client_wants_ids else None
+        choice: dict[str, Any] = {"index": 0}
+        if self.chat:
+            choice["message"] = {
+                "role": "assistant",
+                "content": "".join(self._texts),
+                "refusal": None,
+                "annotations": None,
+                "audio": None,
+                "function_call": None,
+                self._reasoning_field: "".join(self._reasoning) if self._reasoning else None,
+            }
+        else:
+            choice["text"] = "".join(self._texts)
+        choice |= {
+            "logprobs": self._logprobs,
+            "finish_reason": self._finish,
+            "stop_reason": self._stop_reason,
+            "token_ids": ids,
+        }
+        if not self.chat:
+            choice |= {"prompt_logprobs": None, "prompt_token_ids": prompt_ids}
+        choice["routed_experts"] = None
+        answer: dict[str, Any] = {
+            "id": self._id,
+            "object": "chat.completion" if self.chat else "text_completion",
+            "created": self._created,
+            "model": self._model,
+            "choices": [choice],
+            "service_tier": None,
+            "system_fingerprint": None,
+            "usage": self._usage(len(self.generated)) | {"completion_tokens_details": None},
+        }
+        if self.chat:
+            answer |= {"prompt_logprobs": None, "prompt_token_ids": prompt_ids, "prompt_text": None}
+        answer |= {"kv_transfer_params": None, "ec_transfer_params": None, "metrics": None}
+        return 200, orjson.dumps(answer)
 
     def _usage(self, completion: int) -> dict[str, Any]:
         prompt = len(self.prompt_ids or ())
@@ -276,6 +372,8 @@ class StreamLedger:
                 logprobs["text_offset"] = [o + shift for o in logprobs["text_offset"]]
             if finish is not None:
                 self.finished = True
+            if self.whole:
+                self._collect(text, logprobs, choice)
             new: dict[str, Any] = {"index": 0}
             if self.chat:
                 new["delta"] = {"content": text}

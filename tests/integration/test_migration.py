@@ -156,6 +156,57 @@ def test_a_whole_answer_whose_decode_dies_is_answered_once_and_equal(
         assert again["usage"] == whole["usage"]
 
 
+def content_of(answer: dict[str, Any], chat: bool) -> dict[str, Any]:
+    """What a whole answer says: text, ids, finish, usage (its other fields are nulls)."""
+    [choice] = answer["choices"]
+    usage = answer["usage"]
+    return {
+        "text": choice["message"]["content"] if chat else choice["text"],
+        "token_ids": choice["token_ids"],
+        "prompt_token_ids": (answer if chat else choice)["prompt_token_ids"],
+        "finish": (choice["finish_reason"], choice["stop_reason"]),
+        "usage": (usage["prompt_tokens"], usage["completion_tokens"], usage["total_tokens"]),
+    }
+
+
+@pytest.mark.parametrize(
+    ("chat", "tokens", "minimum"),
+    [(False, 256, None), (True, 256, None), (False, 12, "0"), (True, 12, "0")],
+    ids=["completions", "chat", "completions-short", "chat-short"],
+)
+def test_a_long_whole_answer_whose_decode_dies_mid_answer_is_continued(
+    fleet_factory: FleetFactory, chat: bool, tokens: int, minimum: str | None
+) -> None:
+    """Long enough to be worth continuing (256 tokens by default, any with a minimum of 0):
+    the proxy reads its decode's stream, continues it on the other decode when cut, and
+    answers whole once."""
+    options = ["--migration-whole-min-tokens", minimum] if minimum else []
+    fleet = fleet_factory(
+        [WorkerSpec("P"), WorkerSpec("D"), WorkerSpec("D")], [*ROUND_ROBIN, *KEEP_CUTTER, *options]
+    )
+    dropper, other = fleet.role("D")
+    limit = "max_completion_tokens" if chat else "max_tokens"
+    fields = {limit: tokens, "return_token_ids": True}
+    path, payload = body_of(chat, "a long whole answer", **fields)
+    whole = json.loads(ask(fleet, path, payload))
+    # Put together by the proxy from a stream, it says what the decode says when asked whole.
+    direct = post_json(other.url + path, payload)
+    assert direct.status == 200, direct.body
+    assert content_of(whole, chat) == content_of(json.loads(direct.body), chat)
+    assert len(whole["choices"][0]["token_ids"]) == tokens
+    different = json.loads(ask(fleet, *body_of(chat, "something else", **fields)))
+    assert content_of(different, chat)["text"] != content_of(whole, chat)["text"]
+    set_behaviour(dropper.url, drop_after_chunks=min(5, tokens // 2))
+
+    def completed() -> float:
+        labels = {"outcome": "completed"}
+        return metric_value(fleet.proxy_url, "pdproxy_migrations_total", labels)
+
+    for again in until_cut(lambda: json.loads(ask(fleet, path, payload)), completed):
+        assert content_of(again, chat) == content_of(whole, chat)
+        assert again["object"] == whole["object"] and list(again) == list(whole)
+
+
 @pytest.mark.parametrize("chat", [False, True], ids=["completions", "chat"])
 def test_a_whole_answer_cut_while_it_is_received_is_run_again(
     fleet: LocalFleet, chat: bool

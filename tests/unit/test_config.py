@@ -123,6 +123,7 @@ SAMPLES: dict[str, tuple[str, Any]] = {
     "max_attempts": ("5", 5),
     "migration": ("off", "off"),
     "migration_limit": ("1", 1),
+    "migration_whole_min_tokens": ("0", 0),
     "retry_backoff_base_seconds": ("0.01", 0.01),
     "retry_backoff_max_seconds": ("2.5", 2.5),
     "outlier_consecutive_failures": ("3", 3),

@@ -1,4 +1,4 @@
-"""Which streams migrate, and the continuation request built from token ids."""
+"""Which answers migrate, and the continuation request built from token ids."""
 
 from __future__ import annotations
 
@@ -9,10 +9,10 @@ import pytest
 
 from pdproxy.proxy.migration_plan import (
     CONTINUATION_PATH,
-    asking_token_ids,
     continuation,
     migration_refusal,
     replays,
+    upstream_for_migration,
 )
 from pdproxy.proxy.request import CompletionRequest, parse_completion
 
@@ -27,6 +27,7 @@ def request(path: str = "/v1/completions", **fields: Any) -> CompletionRequest:
 
 
 CHAT = "/v1/chat/completions"
+LONG = 256  # the default of migration_whole_min_tokens
 
 
 @pytest.mark.parametrize(
@@ -36,7 +37,18 @@ CHAT = "/v1/chat/completions"
         (CHAT, {}, None),
         (CHAT, {"tools": [{"type": "function"}], "tool_choice": "none"}, None),
         ("/v1/completions", {"prompt": [1, 2, 3]}, None),
-        ("/v1/completions", {"stream": False}, "not streamed"),
+        ("/v1/completions", {"stream": False}, "a short whole answer"),  # 16 by default
+        ("/v1/completions", {"stream": False, "max_tokens": LONG}, None),
+        ("/v1/completions", {"stream": False, "max_tokens": LONG - 1}, "a short whole answer"),
+        (CHAT, {"stream": False}, None),  # no limit: until the context is full
+        (CHAT, {"stream": False, "max_completion_tokens": 8}, "a short whole answer"),
+        (
+            CHAT,
+            {"stream": False, "stream_options": {"include_usage": True}},
+            "stream options without a stream",
+        ),
+        (CHAT, {"stream": False, "n": 2}, "n > 1"),
+        (CHAT, {"stream": False, "prompt_logprobs": 1}, "prompt logprobs"),
         ("/v1/completions", {"n": 2}, "n > 1"),
         ("/v1/completions", {"best_of": 3}, "best_of > 1"),
         ("/v1/completions", {"prompt": ["a", "b"]}, "several prompts"),
@@ -51,16 +63,30 @@ CHAT = "/v1/chat/completions"
     ],
 )
 def test_which_requests_migrate(path: str, fields: dict[str, Any], reason: str | None) -> None:
-    assert migration_refusal(request(path, **fields)) == reason
+    assert migration_refusal(request(path, **fields), LONG) == reason
+
+
+def test_every_whole_answer_migrates_when_the_minimum_is_zero() -> None:
+    assert migration_refusal(request(stream=False, max_tokens=1), 0) is None
+    assert migration_refusal(request(CHAT, stream=False, max_tokens=1), 0) is None
 
 
 def test_token_ids_are_asked_for_only_when_the_client_did_not() -> None:
     plain = request()
-    asked = asking_token_ids(plain)
+    asked = upstream_for_migration(plain)
     assert json.loads(asked.body)["return_token_ids"] is True
     assert asked.payload["prompt"] == "hello" and asked.stream and asked.path == plain.path
     already = request(return_token_ids=True)
-    assert asking_token_ids(already) is already
+    assert upstream_for_migration(already) is already
+
+
+def test_a_whole_answer_is_asked_for_as_a_stream_with_its_usage() -> None:
+    whole = request(CHAT, stream=False, return_token_ids=True)
+    asked = upstream_for_migration(whole)
+    body = json.loads(asked.body)
+    assert body["stream"] is True and asked.stream and not whole.stream
+    assert body["stream_options"] == {"include_usage": True}
+    assert body["return_token_ids"] is True and body["messages"] == whole.payload["messages"]
 
 
 def test_a_completions_continuation_owes_what_is_left_from_token_ids() -> None:

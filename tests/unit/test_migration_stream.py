@@ -258,3 +258,105 @@ def test_a_stream_without_token_ids_is_relayed_as_it_comes_and_watched_for_done(
     assert not book.migratable and book.prompt_ids is None and not book.done
     assert book.feed(b"NE]\n\n") == b"NE]\n\n" and book.done
     assert book.feed(b"data: x\n\n") == b"data: x\n\n" and not book.done
+
+
+def whole_ledger(chat: bool = False, wants_ids: bool = False) -> StreamLedger:
+    return StreamLedger(chat, wants_ids, False, 1 << 20, whole=True)
+
+
+def usage_event(completion: int) -> bytes:
+    return event({"id": "cmpl-B", "choices": [], "usage": {"completion_tokens": completion}})
+
+
+def test_a_whole_answer_is_put_together_from_its_stream_and_its_continuation() -> None:
+    book = whole_ledger()
+    first = chunk(" a", [11], logprobs=logprobs_of([" a"], 0), prompt_token_ids=[1, 2])
+    book.feed(event(first) + event(chunk(" b", [12], logprobs=logprobs_of([" b"], 2))))
+    book.cut(replay=False)
+    book.feed(event(chunk(" c", [13], "length", logprobs=logprobs_of([" c"], 0))))
+    book.feed(usage_event(1) + SSE_DONE)
+    assert book.done
+    status, body = book.whole_answer()
+    answer = json.loads(body)
+    assert status == 200 and answer["id"] == "cmpl-A" and answer["created"] == 5
+    assert answer["object"] == "text_completion"
+    [choice] = answer["choices"]
+    assert choice["text"] == " a b c" and choice["finish_reason"] == "length"
+    assert choice["logprobs"]["tokens"] == [" a", " b", " c"]
+    assert choice["logprobs"]["text_offset"] == [0, 2, 4]
+    assert choice["token_ids"] is None and choice["prompt_token_ids"] is None
+    assert answer["usage"] == {
+        "prompt_tokens": 2,
+        "total_tokens": 5,
+        "completion_tokens": 3,
+        "prompt_tokens_details": None,
+        "completion_tokens_details": None,
+    }
+    # vLLM 0.32's CompletionResponse, field for field (its nulls included).
+    assert list(answer) == [
+        *("id", "object", "created", "model", "choices", "service_tier", "system_fingerprint"),
+        *("usage", "kv_transfer_params", "ec_transfer_params", "metrics"),
+    ]
+    assert list(choice) == [
+        *("index", "text", "logprobs", "finish_reason", "stop_reason", "token_ids"),
+        *("prompt_logprobs", "prompt_token_ids", "routed_experts"),
+    ]
+
+
+def test_a_whole_chat_answer_has_its_message_reasoning_and_the_ids_asked_for() -> None:
+    book = whole_ledger(chat=True, wants_ids=True)
+    thought = chat_chunk("", [7], prompt_token_ids=[4, 5])
+    thought["choices"][0]["delta"] = {"role": "assistant", "reasoning_content": "hmm"}
+    book.feed(event(thought) + event(chat_chunk("Hi", [8])))
+    stop = chat_chunk("!", [9])
+    stop["choices"][0] |= {"finish_reason": "stop", "stop_reason": None}
+    book.feed(event(stop) + SSE_DONE)
+    status, body = book.whole_answer()
+    answer = json.loads(body)
+    assert status == 200 and answer["object"] == "chat.completion"
+    [choice] = answer["choices"]
+    message = {k: v for k, v in choice["message"].items() if v is not None}
+    assert message == {"role": "assistant", "content": "Hi!", "reasoning_content": "hmm"}
+    assert choice["finish_reason"] == "stop" and choice["token_ids"] == [7, 8, 9]
+    assert answer["prompt_token_ids"] == [4, 5] and answer["usage"]["completion_tokens"] == 3
+    # vLLM 0.32's ChatCompletionResponse, field for field.
+    assert list(answer) == [
+        *("id", "object", "created", "model", "choices", "service_tier", "system_fingerprint"),
+        *("usage", "prompt_logprobs", "prompt_token_ids", "prompt_text", "kv_transfer_params"),
+        *("ec_transfer_params", "metrics"),
+    ]
+    assert list(choice["message"]) == [
+        *("role", "content", "refusal", "annotations", "audio", "function_call"),
+        "reasoning_content",
+    ]
+    assert not book.migratable  # reasoning went out: a failure now computes it again
+
+
+def test_a_whole_answers_error_event_is_the_answer_with_its_status() -> None:
+    book = whole_ledger()
+    book.feed(event(chunk(" a", [11], prompt_token_ids=[1])))
+    error = {"object": "error", "message": "engine died", "type": "InternalServerError"}
+    book.feed(event({"error": error | {"code": 503}}) + SSE_DONE)
+    status, body = book.whole_answer()
+    assert status == 503 and json.loads(body)["error"]["message"] == "engine died"
+    broken = whole_ledger()
+    broken.feed(event({"error": error}) + SSE_DONE)
+    assert broken.whole_answer()[0] == 500
+
+
+def test_a_whole_answer_without_token_ids_is_still_put_together() -> None:
+    book = whole_ledger()
+    plain = chunk(" a", [])
+    del plain["choices"][0]["token_ids"]
+    book.feed(event(plain) + SSE_DONE)  # read, not handed through: the answer is built here
+    assert not book.migratable and book.done
+    assert json.loads(book.whole_answer()[1])["choices"][0]["text"] == " a"
+
+
+def test_a_whole_answers_stream_is_bounded_like_a_whole_body() -> None:
+    book = StreamLedger(False, False, False, 2048, whole=True)
+    one = event(chunk(" a", [11], prompt_token_ids=[1]))
+    with pytest.raises(MalformedStream):
+        for _ in range(2048 // len(one) + 1):
+            book.feed(one)
+    assert not book.migratable  # computed again, not continued into the same bound
