@@ -196,15 +196,18 @@ def test_a_long_whole_answer_whose_decode_dies_mid_answer_is_continued(
     assert len(whole["choices"][0]["token_ids"]) == tokens
     different = json.loads(ask(fleet, *body_of(chat, "something else", **fields)))
     assert content_of(different, chat)["text"] != content_of(whole, chat)["text"]
-    set_behaviour(dropper.url, drop_after_chunks=min(5, tokens // 2))
 
     def completed() -> float:
         labels = {"outcome": "completed"}
         return metric_value(fleet.proxy_url, "pdproxy_migrations_total", labels)
 
-    for again in until_cut(lambda: json.loads(ask(fleet, path, payload)), completed):
-        assert content_of(again, chat) == content_of(whole, chat)
-        assert again["object"] == whole["object"] and list(again) == list(whole)
+    # Cut after the first token (a chat stream starts with its role), half-way, and before
+    # the last token.
+    for k in (2, tokens // 2, tokens - 1):
+        set_behaviour(dropper.url, drop_after_chunks=k)
+        for again in until_cut(lambda: json.loads(ask(fleet, path, payload)), completed):
+            assert content_of(again, chat) == content_of(whole, chat), k
+            assert again["object"] == whole["object"] and list(again) == list(whole)
 
 
 @pytest.mark.parametrize("chat", [False, True], ids=["completions", "chat"])
