@@ -4,26 +4,19 @@ the ratios to nginx in the rows and tables. Nothing is started."""
 from __future__ import annotations
 
 import argparse
-import sys
 from collections.abc import Iterator
 from pathlib import Path
 from typing import Any
 
 import pytest
 
-BENCHMARKS = Path(__file__).resolve().parents[2] / "benchmarks"
+from tests.harness.benchmark_scripts import benchmark_script
 
 
 @pytest.fixture(scope="module")
 def bench() -> Iterator[Any]:
-    """The module, imported as its script imports it (its siblings by bare name)."""
-    sys.path.insert(0, str(BENCHMARKS))
-    try:
-        import bench_routers
-
-        yield bench_routers
-    finally:
-        sys.path.remove(str(BENCHMARKS))
+    with benchmark_script("bench_routers") as module:
+        yield module
 
 
 def test_nginx_is_a_router_to_choose(bench: Any) -> None:

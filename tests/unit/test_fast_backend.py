@@ -4,28 +4,19 @@ so pdproxy's migrating relay does the work it does in front of vLLM."""
 from __future__ import annotations
 
 import json
-import sys
 from collections.abc import Iterator
-from pathlib import Path
 from typing import Any
 
 import pytest
 
 from pdproxy.proxy.migration_stream import StreamLedger
-
-BENCHMARKS = Path(__file__).resolve().parents[2] / "benchmarks"
+from tests.harness.benchmark_scripts import benchmark_script
 
 
 @pytest.fixture(scope="module")
 def backend() -> Iterator[Any]:
-    """The module, imported as the benchmarks import it (by bare name)."""
-    sys.path.insert(0, str(BENCHMARKS))
-    try:
-        import fast_backend
-
-        yield fast_backend
-    finally:
-        sys.path.remove(str(BENCHMARKS))
+    with benchmark_script("fast_backend") as module:
+        yield module
 
 
 @pytest.mark.parametrize("chat", [False, True])
