@@ -138,60 +138,62 @@ def _stop_process_group(proc: subprocess.Popen[Any]) -> None:
         return
 
 
-def group_sys_and_switches(pgid: int) -> tuple[float, int, int] | None:
-    """System CPU seconds, voluntary context switches (a thread waited: an event loop with
-    nothing to do) and involuntary ones (preempted) of every thread of the live processes of
-    process group ``pgid`` (Linux): where CPU goes besides the code itself."""
+def _group_stats(pgid: int) -> list[tuple[str, list[str]]] | None:
+    """(pid, /proc/PID/stat fields after the parenthesised command) of the live processes of
+    process group ``pgid`` (Linux): state ppid pgrp ... utime(11) stime(12), zero-based."""
     try:
-        tick = os.sysconf("SC_CLK_TCK")
         entries = os.listdir("/proc")
-    except (OSError, ValueError, AttributeError):
+    except OSError:
         return None
-    system, voluntary, involuntary, found = 0, 0, 0, False
+    found = []
     for entry in entries:
         if not entry.isdigit():
             continue
         try:
             stat = Path(f"/proc/{entry}/stat").read_text()
-            fields = stat[stat.rfind(")") + 2 :].split()
-            if int(fields[2]) != pgid:
-                continue
-            system += int(fields[12])
-            for task in Path(f"/proc/{entry}/task").iterdir():
+        except OSError:
+            continue
+        fields = stat[stat.rfind(")") + 2 :].split()
+        if int(fields[2]) == pgid:
+            found.append((entry, fields))
+    return found
+
+
+def _clock_tick() -> int | None:
+    try:
+        return os.sysconf("SC_CLK_TCK")
+    except (OSError, ValueError, AttributeError):
+        return None
+
+
+def group_sys_and_switches(pgid: int) -> tuple[float, int, int] | None:
+    """System CPU seconds, voluntary context switches (a thread waited: an event loop with
+    nothing to do) and involuntary ones (preempted) of every thread of the live processes of
+    process group ``pgid`` (Linux): where CPU goes besides the code itself."""
+    tick, processes = _clock_tick(), _group_stats(pgid)
+    if tick is None or not processes:
+        return None
+    system, voluntary, involuntary = 0, 0, 0
+    for pid, fields in processes:
+        system += int(fields[12])
+        try:
+            for task in Path(f"/proc/{pid}/task").iterdir():
                 for line in (task / "status").read_text().splitlines():
                     if line.startswith("voluntary_ctxt_switches:"):
                         voluntary += int(line.split(":")[1])
                     elif line.startswith("nonvoluntary_ctxt_switches:"):
                         involuntary += int(line.split(":")[1])
         except OSError:
-            continue
-        found = True
-    return (system / tick, voluntary, involuntary) if found else None
+            continue  # it ended meanwhile
+    return system / tick, voluntary, involuntary
 
 
 def _group_cpu_seconds(pgid: int) -> float | None:
     """User + system CPU seconds of the live processes of process group ``pgid`` (Linux)."""
-    try:
-        tick = os.sysconf("SC_CLK_TCK")
-        entries = os.listdir("/proc")
-    except (OSError, ValueError, AttributeError):
+    tick, processes = _clock_tick(), _group_stats(pgid)
+    if tick is None or not processes:
         return None
-    total = 0
-    found = False
-    for entry in entries:
-        if not entry.isdigit():
-            continue
-        try:
-            stat = Path(f"/proc/{entry}/stat").read_text()
-        except OSError:
-            continue
-        # Fields after the parenthesised command: state ppid pgrp ... utime(14) stime(15).
-        fields = stat[stat.rfind(")") + 2 :].split()
-        if int(fields[2]) != pgid:
-            continue
-        found = True
-        total += int(fields[11]) + int(fields[12])
-    return total / tick if found else None
+    return sum(int(fields[11]) + int(fields[12]) for _, fields in processes) / tick
 
 
 def _free_ports(count: int) -> list[int]:

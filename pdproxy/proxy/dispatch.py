@@ -115,6 +115,7 @@ class Dispatcher:
         # A client's key for pdproxy is pdproxy's secret: never passed on to the instances.
         self._forward_client_auth = not settings.api_key and settings.api_key_file is None
         self._migration_limit = settings.migration_limit if settings.migration == "on" else 0
+        self._whole_min = settings.migration_whole_min_tokens
 
     def features(self, request: CompletionRequest) -> RequestFeatures:
         return request_features(
@@ -154,8 +155,7 @@ class Dispatcher:
         trace: RequestTrace,
     ) -> None:
         original = request
-        whole_min = self._settings.migration_whole_min_tokens
-        if self._migration_limit and migration_refusal(request, whole_min) is None:
+        if self._migration_limit and migration_refusal(request, self._whole_min) is None:
             exchange.ledger = self._ledger(request)
             request = upstream_for_migration(request)
         features = self.features(request)
