@@ -642,6 +642,12 @@ class _Cycle:
                 _close_cut_short(self._transport)
         finally:
             self._on_disconnect = None
+            # The scope's disconnect hook is this cycle's bound method: a reference cycle,
+            # which left every request to the collector (docs/performance.md, "The garbage
+            # collector"). The application is done with the hook, so the cycle is cut.
+            extensions = self.scope.get("extensions")
+            if extensions:
+                extensions.pop(DISCONNECT_HOOK, None)
 
     # -- the client side ---------------------------------------------------------------------
 

@@ -9,6 +9,7 @@ conformance suite (test_http_conformance.py) covers the rest of HTTP/1.1's groun
 from __future__ import annotations
 
 import asyncio
+import gc
 import http.client
 import re
 import socket
@@ -356,6 +357,33 @@ def test_body_shorter_than_its_length_closes_the_connection(served: Served) -> N
         data = read_to_close(sock)
         # Never a complete 10-byte body: the client cannot mistake it for a whole answer.
         assert len(data.partition(b"\r\n\r\n")[2]) < 10
+
+
+def test_a_finished_request_leaves_no_reference_cycle(served: Served) -> None:
+    """A request's objects go with their reference counts once it is answered. A cycle among
+    them (the scope's disconnect hook is the request's own bound method) left every request to
+    the garbage collector, whose passes stalled the serving loop for milliseconds at a time
+    (docs/performance.md, "The garbage collector")."""
+    requests = 20
+    gc.collect()
+    gc.set_debug(gc.DEBUG_SAVEALL)  # what a collection finds unreachable is kept in gc.garbage
+    try:
+        with served.connect() as connection:
+            for _ in range(requests):
+                connection.request("POST", "/echo", body=b"payload")
+                response = connection.getresponse()
+                assert response.status == 200
+                response.read()
+        deadline = time.monotonic() + 5
+        while served.state.total_requests < requests and time.monotonic() < deadline:
+            time.sleep(0.01)
+        assert served.state.total_requests == requests
+        gc.collect()
+        left = [type(o).__qualname__ for o in gc.garbage if "pdproxy" in type(o).__module__]
+    finally:
+        gc.set_debug(0)
+        gc.garbage.clear()
+    assert left == []
 
 
 def test_client_leaving_calls_the_hook_and_ends_receive(served: Served) -> None:
