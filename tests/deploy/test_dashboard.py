@@ -271,6 +271,19 @@ def test_the_kv_transfer_row_plots_every_kv_metric() -> None:
     assert len(by_pair) == 2  # bytes/s and bandwidth, one series per pair
 
 
+# Workers report their transfers to every proxy replica (pdproxy/vllm_side/fanout.py), so each
+# replica's series already count the whole fleet's: added over pods, every transfer would count
+# once per replica. (Quantiles are left as they are: identical copies change no ratio.)
+FLEET_WIDE_KV = KV_FAMILIES - {"pdproxy_kv_transfer_duration_seconds_bucket"}
+
+
+def test_kv_figures_every_replica_holds_are_not_added_over_replicas() -> None:
+    queries = [expr for expr in expressions() if referenced(expr)[0] & FLEET_WIDE_KV]
+    assert len(queries) == 3  # bytes per pair, transfers by outcome, bandwidth per pair
+    for expr in queries:
+        assert expr.startswith("max by ("), expr
+
+
 def test_a_live_scrape_matches_the_registry(fleet_factory: FleetFactory) -> None:
     """A real proxy that served a request exports exactly these names and labels."""
     fleet = fleet_factory([WorkerSpec("P"), WorkerSpec("D")])
