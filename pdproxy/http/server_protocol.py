@@ -172,6 +172,10 @@ class HttpProtocol(asyncio.Protocol):
             cycle.client_left()
         self._parsing = None
         self._pipeline.clear()
+        # The parser holds this protocol's bound methods: a reference cycle that would leave
+        # every closed connection to the garbage collector (docs/performance.md, "A reference
+        # cycle per request"). Nothing is parsed after the connection is lost.
+        self._parser = _CLOSED_PARSER
         if exc is None and self.transport is not None:
             self.transport.close()
 
@@ -570,6 +574,14 @@ def _body_parser(
     lines = b"".join(b"%s: %s\r\n" % pair for pair in framing)
     parser.feed_data(b"POST / HTTP/1.1\r\nconnection: close\r\n" + lines + b"\r\n")
     return parser
+
+
+class _NoCallbacks:
+    """A parser's callbacks once its connection is gone: none."""
+
+
+# What a lost connection's protocol holds instead of its own parser (see connection_lost).
+_CLOSED_PARSER = httptools.HttpRequestParser(_NoCallbacks())
 
 
 class _Cycle:
