@@ -38,6 +38,8 @@ import httptools
 from uvicorn.config import Config
 from uvicorn.server import ServerState
 
+from pdproxy.http.closed_parsers import CLOSED_REQUEST_PARSER
+
 log = logging.getLogger("pdproxy.http")
 
 Scope = dict[str, Any]
@@ -172,10 +174,8 @@ class HttpProtocol(asyncio.Protocol):
             cycle.client_left()
         self._parsing = None
         self._pipeline.clear()
-        # The parser holds this protocol's bound methods: a reference cycle that would leave
-        # every closed connection to the garbage collector (docs/performance.md, "A reference
-        # cycle per request"). Nothing is parsed after the connection is lost.
-        self._parser = _CLOSED_PARSER
+        # Frees the connection by its reference count (closed_parsers.py says why).
+        self._parser = CLOSED_REQUEST_PARSER
         if exc is None and self.transport is not None:
             self.transport.close()
 
@@ -574,14 +574,6 @@ def _body_parser(
     lines = b"".join(b"%s: %s\r\n" % pair for pair in framing)
     parser.feed_data(b"POST / HTTP/1.1\r\nconnection: close\r\n" + lines + b"\r\n")
     return parser
-
-
-class _NoCallbacks:
-    """A parser's callbacks once its connection is gone: none."""
-
-
-# What a lost connection's protocol holds instead of its own parser (see connection_lost).
-_CLOSED_PARSER = httptools.HttpRequestParser(_NoCallbacks())
 
 
 class _Cycle:

@@ -23,6 +23,7 @@ from typing import Protocol, cast
 
 import httptools
 
+from pdproxy.http.closed_parsers import CLOSED_RESPONSE_PARSER
 from pdproxy.http.slots import Slots
 
 # Idle connections are dropped before uvicorn's default keep-alive (5 s, what vLLM runs with)
@@ -133,6 +134,8 @@ class _Connection(asyncio.Protocol):
 
     def connection_lost(self, exc: Exception | None) -> None:
         self.closed = True
+        # Frees the connection by its reference count (closed_parsers.py says why).
+        self._parser = CLOSED_RESPONSE_PARSER
         if self._headers_done and self._until_close and not self._complete and exc is None:
             self._complete = True  # a clean EOF ends a body without length; a reset does not
             self._wake()

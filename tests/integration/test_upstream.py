@@ -4,6 +4,7 @@ from __future__ import annotations
 
 import asyncio
 import contextlib
+import gc
 import os
 import resource
 import socket
@@ -199,6 +200,39 @@ def test_body_until_close() -> None:
             assert reply.body == b"all of it"
 
     asyncio.run(scenario())
+
+
+def test_closed_upstream_connections_leave_no_reference_cycle() -> None:
+    # Each answer closes its connection (as a backend that keeps none alive does): every
+    # connection must go with its reference count, not wait for the garbage collector
+    # (docs/performance.md, "A reference cycle per request").
+    async def one_shot(reader: asyncio.StreamReader, writer: asyncio.StreamWriter) -> None:
+        await read_request(reader)
+        writer.write(answer(b"{}", b"Connection: close\r\n"))
+        await writer.drain()
+
+    async def scenario() -> list[str]:
+        async with Server(one_shot) as server:
+
+            async def test(client: Upstream) -> None:
+                for i in range(10):
+                    reply = await client.post(server.address, "/x", b"%d" % i, HEADERS, 1000)
+                    assert reply.status == 200
+                await asyncio.sleep(0.1)  # the last connection's loss is seen
+
+            gc.collect()
+            gc.set_debug(gc.DEBUG_SAVEALL)
+            try:
+                await with_client(test)
+                assert server.connections == 10
+                gc.collect()
+                mine = upstream_module.__name__
+                return [type(o).__qualname__ for o in gc.garbage if type(o).__module__ == mine]
+            finally:
+                gc.set_debug(0)
+                gc.garbage.clear()
+
+    assert asyncio.run(scenario()) == []
 
 
 def test_stale_pooled_connection_is_replaced_transparently() -> None:
