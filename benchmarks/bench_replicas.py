@@ -4,13 +4,16 @@ The fleet simulator (fleet_sim.py) with pdproxy's default policies (prefix_affin
 one planner gets every request, or three planners (replicas, each with its own table and only
 its own legs in flight) get every third, as an L4 balancer deals them; every worker samples its
 load every LOAD_REPORT_S (pdproxy.vllm_side.announcer: a changed load is announced at most that
-long after) and each replica's table gets it after its own delivery delay. Load: 80% of the
-fleet's capacity (round robin's saturation throughput, as bench_pairing.py measures it).
-Goal (issue 23): TTFT p99 of 3 replicas within 1.2x of one replica's, prefix-hit rate within 5
-points.
+long after) and each replica's table gets it after its own delivery delay; every prefill also
+samples its work (Load.prefill_tokens, as pdproxy's connector counts it) every
+PREFILL_WORK_REPORT_S and announces it when it changed, which each replica's planner takes as it
+arrives (as the registry server hands it to InFlight.announced_work). Load: 80% of the fleet's
+capacity (round robin's saturation throughput, as bench_pairing.py measures it). Goal: TTFT p99
+of 3 replicas within 1.2x of one replica's, prefix-hit rate within 5 points.
 
-    .venv/bin/python benchmarks/bench_replicas.py            # 3 seeds x 10,000 requests (~10 s)
+    .venv/bin/python benchmarks/bench_replicas.py            # 3 seeds x 10,000 requests (~25 s)
     .venv/bin/python benchmarks/bench_replicas.py --quick    # 1 seed x 3,000 requests
+    .venv/bin/python benchmarks/bench_replicas.py --no-work-reports   # prefills announce no work
 """
 
 from __future__ import annotations
@@ -32,7 +35,7 @@ from bench_pairing import (
 from fleet_sim import FleetSim, FleetSpec, RunResult
 from workload import WorkloadSpec, build_workload
 
-from pdproxy.vllm_side.announcer import LOAD_REPORT_S
+from pdproxy.vllm_side.announcer import LOAD_REPORT_S, PREFILL_WORK_REPORT_S
 
 TTFT_RATIO_GOAL = 1.2
 HIT_RATE_POINTS_GOAL = 0.05
@@ -90,17 +93,35 @@ def main(argv: list[str] | None = None) -> int:
     parser.add_argument("--quick", action="store_true", help="1 seed x 3,000 requests")
     parser.add_argument("--seed", type=int, default=1, help="first seed")
     parser.add_argument("--load", type=float, default=GOAL_LOAD, help="fraction of capacity")
+    parser.add_argument(
+        "--work-report-ms",
+        type=float,
+        default=PREFILL_WORK_REPORT_S * 1000,
+        help="how often a prefill's work is sampled and announced when it changed "
+        "(default: the connector's, %(default)g)",
+    )
+    parser.add_argument(
+        "--no-work-reports",
+        action="store_true",
+        help="prefills announce no work (as `pdproxy announce` for a stock vLLM)",
+    )
     args = parser.parse_args(argv)
     requests, warmup, seeds = (3_000, 500, 1) if args.quick else (10_000, 1_000, 3)
-    spec = FleetSpec(report_period_s=REPORT_PERIOD_S)
+    spec = FleetSpec(
+        report_period_s=REPORT_PERIOD_S,
+        work_report_s=None if args.no_work_reports else args.work_report_ms / 1000,
+    )
     workloads = tuple(build_workload(WorkloadSpec(), requests, args.seed + k) for k in range(seeds))
     scenario = Scenario(spec, workloads, warmup)
     capacity, (one, three) = compare(scenario, args.load)
+    work = (
+        "not announced" if spec.work_report_s is None else f"every {spec.work_report_s * 1000:g} ms"
+    )
     print(
         f"{spec.prefills} P + {spec.decodes} D, capacity {capacity:.1f} req/s, load "
         f"{args.load:.0%} ({args.load * capacity:.1f} req/s), {seeds} seed(s) x {requests:,} "
         f"requests ({warmup:,} warm-up), load reports {REPORT_PERIOD_S[0]}-{REPORT_PERIOD_S[1]} s "
-        "apart\n"
+        f"apart, prefill work {work}\n"
     )
     print(table([one, three]))
     ratio = three.ttft_p99_ms / one.ttft_p99_ms

@@ -54,7 +54,7 @@ from pdproxy.ids import Address
 from pdproxy.pairing.geometry import PairPlan, plan_pair, side_of
 from pdproxy.pairing.planner import NoPair, Pair, Planner
 from pdproxy.registry.messages import Announcement, Connector, Geometry, Load
-from pdproxy.registry.table import RegistryTable
+from pdproxy.registry.table import Change, RegistryTable
 
 # Llama 3.1 8B, TP 1, bf16 KV, vLLM's default 16-token blocks: 128 KiB of KV per token.
 LLAMA_8B = Geometry(
@@ -83,6 +83,9 @@ class FleetSpec:
     decode_kv_tokens: int = 262_144  # per decode instance; also the planner's kv capacity
     kv_bytes_per_s: float = 25e9  # P -> D KV bandwidth (RDMA / NVLink class)
     report_period_s: tuple[float, float] = (1.0, 3.0)  # each report's gap, uniform
+    # A prefill's work (Load.prefill_tokens), sampled this often and announced when it changed
+    # (pdproxy's connector: PREFILL_WORK_REPORT_S); None: prefills announce no work.
+    work_report_s: float | None = None
     delivery_s: tuple[float, float] = (0.2e-3, 2e-3)  # a report's trip to a replica, uniform
     report_load: bool = True  # False: announcements carry no load (in-flight counts only)
     geometry: Geometry = LLAMA_8B
@@ -245,9 +248,15 @@ class FleetSim:
 
     def run(self) -> RunResult:
         # Registered everywhere before the first arrival; load reports start at random phases.
+        if self.spec.work_report_s is not None:
+            for planner in self.planners:
+                planner.inflight.follow_work()
         for worker in self.prefills:
             self._announce_now(Role.PREFILL, worker.http_address, worker.zmq_address, Load())
             self.at(self._first_report(), functools.partial(self._report_prefill, worker))
+            if self.spec.work_report_s is not None:
+                first = self.rng.uniform(0, self.spec.work_report_s)
+                self.at(first, functools.partial(self._report_work, worker, None))
         for dworker in self.decodes:
             self._announce_now(Role.DECODE, dworker.http_address, dworker.zmq_address, Load())
             self.at(self._first_report(), functools.partial(self._report_decode, dworker))
@@ -299,7 +308,12 @@ class FleetSim:
             )
 
     def _deliver(self, table: RegistryTable, announcement: Announcement) -> None:
-        table.announce(announcement, self.now)
+        change, instance = table.announce(announcement, self.now)
+        load = instance.load
+        # What the registry server hands the planner as each report arrives.
+        if change is not Change.REFRESHED and load is not None and load.prefill_tokens is not None:
+            planner = self.planners[self.tables.index(table)]
+            planner.inflight.announced_work(instance.http_address, load.prefill_tokens)
 
     def _announcement(self, role: Role, http: Address, zmq: Address, load: Load) -> Announcement:
         spec = self.spec
@@ -321,16 +335,37 @@ class FleetSim:
     def _next_report(self) -> float:
         return self.now + self.rng.uniform(*self.spec.report_period_s)
 
-    def _report_prefill(self, worker: PrefillWorker) -> None:
+    def _prefill_load(self, worker: PrefillWorker) -> Load:
         running = worker.running
         used = 0 if running is None else running.request.prompt_tokens
-        load = Load(
+        work = None
+        if self.spec.work_report_s is not None:
+            # As the connector counts it (vllm_side/load_tracker.py): a queued prompt in full
+            # (its cache hits are known when it is scheduled), the running one's rest.
+            work = sum(job.request.prompt_tokens for job in worker.queue)
+            if running is not None:
+                end = running.prefill_start + self._prefill_s(running)
+                work += max(0, round((end - self.now) / self.spec.prefill_s_per_token))
+        return Load(
             running=0 if running is None else 1,
             waiting=len(worker.queue),
             kv_usage=min(1.0, used / self.spec.prefix_cache_tokens),
+            prefill_tokens=work,
         )
+
+    def _report_prefill(self, worker: PrefillWorker) -> None:
+        load = self._prefill_load(worker)
         self._announce(Role.PREFILL, worker.http_address, worker.zmq_address, load)
         self.at(self._next_report(), lambda: self._report_prefill(worker))
+
+    def _report_work(self, worker: PrefillWorker, last: Load | None) -> None:
+        """Between the load reports: the work, announced when it changed."""
+        load = self._prefill_load(worker)
+        if last is None or load.prefill_tokens != last.prefill_tokens:
+            self._announce(Role.PREFILL, worker.http_address, worker.zmq_address, load)
+        period = self.spec.work_report_s
+        assert period is not None
+        self.at(self.now + period, lambda: self._report_work(worker, load))
 
     def _report_decode(self, worker: DecodeWorker) -> None:
         load = Load(
@@ -366,10 +401,12 @@ class FleetSim:
             hits = worker.cache.leading_hits(request.system, shared_blocks)
             # vLLM always computes at least the prompt's last token.
             job.cached_tokens = min(hits * block, request.prompt_tokens - 1)
-        uncached = request.prompt_tokens - job.cached_tokens
-        service = self.spec.prefill_overhead_s + uncached * self.spec.prefill_s_per_token
         job.prefill_start = self.now
-        self.at(self.now + service, lambda: self._end_prefill(worker))
+        self.at(self.now + self._prefill_s(job), lambda: self._end_prefill(worker))
+
+    def _prefill_s(self, job: Job) -> float:
+        uncached = job.request.prompt_tokens - job.cached_tokens
+        return self.spec.prefill_overhead_s + uncached * self.spec.prefill_s_per_token
 
     def _end_prefill(self, worker: PrefillWorker) -> None:
         job = worker.running

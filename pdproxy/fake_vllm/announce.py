@@ -3,7 +3,8 @@
 or v1 with model, geometry and load, and a v1 "leave" to every replica on shutdown.
 
 As the vLLM-side announcer: the name is looked up and everything announced every period, and
-a load that changed is announced within LOAD_REPORT_S."""
+a load that changed is announced within LOAD_REPORT_S (a prefill's, with its work, within
+PREFILL_WORK_REPORT_S)."""
 
 from __future__ import annotations
 
@@ -22,7 +23,7 @@ from pdproxy.registry.auth import new_nonce, signed
 from pdproxy.registry.messages import Geometry, KvCoordinates, Load
 from pdproxy.vllm_side.announcement import WorkerIdentity, leave_message, v0_message
 from pdproxy.vllm_side.announcement import announce_message as worker_announce_message
-from pdproxy.vllm_side.announcer import LOAD_REPORT_S
+from pdproxy.vllm_side.announcer import LOAD_REPORT_S, PREFILL_WORK_REPORT_S
 from pdproxy.vllm_side.fanout import FanOutClient, announce_resolver
 
 log = logging.getLogger("pdproxy.fake_vllm")
@@ -69,7 +70,8 @@ async def announce_forever(
     cfg: WorkerConfig, client: FanOutClient, load: Callable[[], Load]
 ) -> None:
     loop = asyncio.get_running_loop()
-    tick = min(cfg.announce_interval_s, LOAD_REPORT_S)
+    report_s = PREFILL_WORK_REPORT_S if cfg.role is Role.PREFILL else LOAD_REPORT_S
+    tick = min(cfg.announce_interval_s, report_s)
     next_period = 0.0
     announced: dict[str, Any] | None = None
     while True:

@@ -87,9 +87,11 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
         choices=("v0", "v1"),
         default="v0",
         help="announcement format: v0 as stock vLLM, v1 with model/geometry/load; the v1 load is "
-        "measured (running requests, waiting 0, kv_usage from --kv-capacity-tokens) unless a test "
-        'forces it with POST /_fake/load {"running": N, "waiting": N, "kv_usage": 0..1} (a null '
-        "or absent field stays measured; GET /_fake/load shows both) (default: %(default)s)",
+        "measured (running requests, waiting 0, kv_usage from --kv-capacity-tokens, and for a "
+        "prefill prefill_tokens, the prompt tokens in flight) unless a test forces it with POST "
+        '/_fake/load {"running": N, "waiting": N, "kv_usage": 0..1, "prefill_tokens": N} (a '
+        "null or absent field stays measured; GET /_fake/load shows both) "
+        "(default: %(default)s)",
     )
     add(
         "--announce-interval",

@@ -20,6 +20,7 @@ class ForcedLoad:
     running: int | None = None
     waiting: int | None = None
     kv_usage: float | None = None
+    prefill_tokens: int | None = None
 
 
 class Share:
@@ -35,11 +36,15 @@ class Share:
 
 
 class LoadTracker:
-    def __init__(self, capacity_tokens: int) -> None:
+    def __init__(self, capacity_tokens: int, counts_prefill_work: bool = False) -> None:
         self.capacity_tokens = capacity_tokens
         self.running = 0
         self.peak_running = 0  # the most requests ever running at once (tests check caps)
         self.tokens = 0  # KV held by in-flight requests: prompt plus generated tokens
+        # A prefill's work, as pdproxy's connector announces it: here every prompt in flight
+        # (the fake computes nothing, so none is part-way done).
+        self._counts_prefill_work = counts_prefill_work
+        self.prompt_tokens = 0
         self.forced = ForcedLoad()
 
     @contextlib.contextmanager
@@ -49,16 +54,19 @@ class LoadTracker:
         self.running += 1
         self.peak_running = max(self.peak_running, self.running)
         self.tokens += prompt_tokens
+        self.prompt_tokens += prompt_tokens
         try:
             yield share
         finally:
             self.running -= 1
             self.tokens -= share.tokens
+            self.prompt_tokens -= prompt_tokens
 
     def measured(self) -> Load:
         # Nothing queues in the fake: every admitted request runs at once, so waiting is 0.
         usage = min(1.0, max(0.0, self.tokens / self.capacity_tokens))
-        return Load(running=self.running, waiting=0, kv_usage=usage)
+        work = self.prompt_tokens if self._counts_prefill_work else None
+        return Load(running=self.running, waiting=0, kv_usage=usage, prefill_tokens=work)
 
     def announced(self) -> Load:
         measured, forced = self.measured(), self.forced
@@ -66,6 +74,9 @@ class LoadTracker:
             running=measured.running if forced.running is None else forced.running,
             waiting=measured.waiting if forced.waiting is None else forced.waiting,
             kv_usage=measured.kv_usage if forced.kv_usage is None else forced.kv_usage,
+            prefill_tokens=(
+                measured.prefill_tokens if forced.prefill_tokens is None else forced.prefill_tokens
+            ),
         )
 
     def as_json(self) -> dict[str, Any]:
@@ -87,7 +98,7 @@ def count(body: dict[str, Any], name: str) -> int | None:
 
 def parse_forced_load(body: dict[str, Any]) -> ForcedLoad:
     """The whole forced load is replaced: an absent or null field means "measured"."""
-    unknown = set(body) - {"running", "waiting", "kv_usage"}
+    unknown = set(body) - {"running", "waiting", "kv_usage", "prefill_tokens"}
     if unknown:
         raise ApiError(400, f"unknown load fields {sorted(unknown)}")
     usage = body.get("kv_usage")
@@ -96,7 +107,10 @@ def parse_forced_load(body: dict[str, Any]) -> ForcedLoad:
     ):
         raise ApiError(400, "kv_usage must be a number in 0..1 or null", "kv_usage")
     return ForcedLoad(
-        count(body, "running"), count(body, "waiting"), None if usage is None else float(usage)
+        count(body, "running"),
+        count(body, "waiting"),
+        None if usage is None else float(usage),
+        count(body, "prefill_tokens"),
     )
 
 

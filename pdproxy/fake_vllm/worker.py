@@ -56,7 +56,9 @@ class FakeWorker:
     def __init__(self, cfg: WorkerConfig, ctx: zmq.asyncio.Context) -> None:
         self.cfg = cfg
         self.records = Records()
-        self.load = LoadTracker(cfg.kv_capacity_tokens)
+        self.load = LoadTracker(
+            cfg.kv_capacity_tokens, counts_prefill_work=cfg.role is Role.PREFILL
+        )
         self.control = Control(self.records, self.load)
         # A fresh engine id per start unless given, as vLLM's: a restarted prefill is another
         # engine.

@@ -14,7 +14,7 @@ from pdproxy.metrics import Metrics
 from pdproxy.multiworker.fleet_control import RemoteControl
 from pdproxy.multiworker.paths import SharedPaths
 from pdproxy.multiworker.table_mirror import TableMirror
-from pdproxy.registry.control import DrainedSink, RegistryLink
+from pdproxy.registry.control import DrainedSink, RegistryLink, WorkSink
 from pdproxy.registry.table import RegistryTable
 
 log = logging.getLogger("pdproxy")
@@ -59,8 +59,16 @@ class RegistryProcessCopy:
         return RegistryTable(settings.ttl, settings.max_instances)
 
     async def attach(
-        self, settings: Settings, table: RegistryTable, on_drained: DrainedSink, metrics: Metrics
+        self,
+        settings: Settings,
+        table: RegistryTable,
+        on_drained: DrainedSink,
+        metrics: Metrics,
+        work: WorkSink,
     ) -> RegistryLink:
+        # Announced work is not followed here: the copy of the table comes every
+        # LOAD_REFRESH_SECONDS, far too late to place prompts by (the planner keeps scaling its
+        # own legs' work instead; docs/architecture.md, "Scaling out").
         copy = RegistryCopy(self._shared, table, on_drained, metrics)
         await copy.first_copy(settings.ttl)  # before the lifespan ends: before it listens
         return copy

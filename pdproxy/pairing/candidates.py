@@ -49,9 +49,8 @@ class Candidates:
     def board(self, kind: LoadKind) -> ScoreBoard:
         board = self._boards.get(kind)
         if board is None:
-            board = ScoreBoard(
-                self.instances, scoring(kind, self._kv_capacity_tokens), self._inflight
-            )
+            rule = scoring(kind, self._kv_capacity_tokens, self.instances, self._inflight)
+            board = ScoreBoard(self.instances, rule, self._inflight)
             if self._live:
                 self._inflight.listen((i.http_address for i in self.instances), board.changed)
             self._boards[kind] = board

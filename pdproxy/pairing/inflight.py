@@ -55,6 +55,10 @@ class InFlight:
         self._listener_count = 0
         # The latest report seen per instance; kept to the current fleet by keep_reports.
         self._reports: dict[Address, Report] = {}
+        # Prefill work announced beyond the own legs, per instance, as each report arrives
+        # (follow_work); kept to the current fleet by keep_reports too.
+        self._work: dict[Address, float] = {}
+        self.follows_work = False
 
     def get(self, address: Address) -> Busy:
         return self._busy.get(address, _IDLE)
@@ -104,6 +108,29 @@ class InFlight:
         """Forget the reports of instances not in `addresses` (bounded by the fleet)."""
         keep = set(addresses)
         self._reports = {a: r for a, r in self._reports.items() if a in keep}
+        self._work = {a: w for a, w in self._work.items() if a in keep}
+
+    def follow_work(self) -> None:
+        """From now on every announced prefill work is handed to `announced_work` as it
+        arrives (the registry's listener): score boards may then rely on it."""
+        self.follows_work = True
+
+    def announced_work(self, address: Address, prefill_tokens: int) -> None:
+        """A prefill announced its work: what is not the own legs there now is the other
+        replicas' and clients'. The boards that hold the instance rescore it at once, with no
+        rebuild: reports come every few milliseconds."""
+        self._work[address] = float(max(0, prefill_tokens - self.get(address).tokens))
+        self._notify(address)
+
+    def others_work(self, address: Address, load: Load | None) -> float | None:
+        """The prefill work beyond the own legs: the latest announcement's as it arrived,
+        else the snapshot's (net of the own legs when it was first seen); None if unknown."""
+        work = self._work.get(address)
+        if work is not None:
+            return work
+        if load is None or load.prefill_tokens is None:
+            return None
+        return float(max(0, load.prefill_tokens - self.report(address, load).own.tokens))
 
     def listen(self, addresses: Iterable[Address], listener: Listener) -> None:
         for address in addresses:

@@ -28,11 +28,14 @@ class Scoring:
     """A load as two parts: what the proxy's own legs in flight put on an instance (exact,
     current) and what the instance last announced (up to a second old, all clients included).
     With `scaled`, the announcement is not added per instance: it tells what share of the
-    candidates' requests the proxy holds, and the own part is scaled up to the whole."""
+    candidates' requests the proxy holds, and the own part is scaled up to the whole. With
+    `announced_work`, the others' part is the prefills' own announced work (InFlight.others_work),
+    updated as each report arrives."""
 
     own: Callable[[Busy], float]
     announced: Callable[[Instance], float]
     scaled: bool = False
+    announced_work: bool = False
 
 
 def announced_requests(instance: Instance) -> float:
@@ -52,10 +55,23 @@ def announced_kv(instance: Instance) -> float:
     return 0.0 if load is None or load.kv_usage is None else load.kv_usage
 
 
-def scoring(kind: LoadKind, kv_capacity_tokens: int) -> Scoring:
+def scoring(
+    kind: LoadKind,
+    kv_capacity_tokens: int,
+    instances: Sequence[Instance] = (),
+    inflight: InFlight | None = None,
+) -> Scoring:
     if kind is LoadKind.REQUESTS:
         return Scoring(own_requests, announced_requests)
     if kind is LoadKind.PREFILL_WORK:
+        # Prefills that announce their work, followed as it arrives, tell the others' part
+        # exactly; otherwise the own work is scaled by the replicas' share of the requests.
+        if (
+            inflight is not None
+            and inflight.follows_work
+            and all(inflight.others_work(i.http_address, i.load) is not None for i in instances)
+        ):
+            return Scoring(own_tokens, announced_requests, announced_work=True)
         return Scoring(own_tokens, announced_requests, scaled=True)
     return Scoring(lambda busy: busy.tokens / kv_capacity_tokens, announced_kv)
 
@@ -94,10 +110,15 @@ class ScoreBoard:
             size *= 2
         self._size = size
         reports = [inflight.report(i.http_address, i.load) for i in instances]
+        self._announced_work = scoring.announced_work
         if scoring.scaled:
             self.scale = fleet_scale(reports)
             self._own = scaled_own(scoring.own, self.scale)
             self.others = [0.0] * len(instances)
+        elif scoring.announced_work:
+            self.scale = 1.0
+            self._own = scoring.own
+            self.others = [inflight.others_work(i.http_address, i.load) or 0.0 for i in instances]
         else:
             self.scale = 1.0
             self._own = scoring.own
@@ -136,6 +157,10 @@ class ScoreBoard:
         if position is None:
             return
         values = self.values
+        if self._announced_work:
+            self.others[position] = (
+                self._inflight.others_work(address, self.instances[position].load) or 0.0
+            )
         new = self._own(self._inflight.get(address)) + self.others[position]
         self.total += new - values[position]
         values[position] = new

@@ -92,7 +92,9 @@ async def build_state(
         metrics,
     )
     rotation = Rotation(settings, table, planner, outliers, admission, metrics, clock)
-    link = await registry_side.attach(settings, table, rotation.set_drained, metrics)
+    link = await registry_side.attach(
+        settings, table, rotation.set_drained, metrics, planner.inflight
+    )
     alarms = Alarms(asyncio.get_running_loop())
     dispatcher = Dispatcher(
         settings, rotation, upstream, metrics, tracing, alarms, new_uid=lambda: random_hex.hex(16)

@@ -13,6 +13,7 @@ from collections.abc import Callable
 from typing import Protocol
 
 from pdproxy.config import Settings
+from pdproxy.ids import Address
 from pdproxy.metrics import Metrics
 from pdproxy.registry.discovery import Discovery, start_discovery
 from pdproxy.registry.operator import ControlReply, ControlRequest, FleetOperator
@@ -22,6 +23,15 @@ from pdproxy.registry.table import RegistryTable
 
 # Told the drained set whenever it changes (the rotation keeps those instances out).
 DrainedSink = Callable[[frozenset[str]], None]
+
+
+class WorkSink(Protocol):
+    """Where prefills' announced work goes as each report arrives (the planner's legs in
+    flight: pairing/inflight.py), for replicas to see each other's work within milliseconds."""
+
+    def follow_work(self) -> None: ...
+
+    def announced_work(self, address: Address, prefill_tokens: int) -> None: ...
 
 
 class ControlUnavailable(Exception):
@@ -52,7 +62,12 @@ class RegistrySide(Protocol):
     ) -> RegistryTable: ...
 
     async def attach(
-        self, settings: Settings, table: RegistryTable, on_drained: DrainedSink, metrics: Metrics
+        self,
+        settings: Settings,
+        table: RegistryTable,
+        on_drained: DrainedSink,
+        metrics: Metrics,
+        work: WorkSink,
     ) -> RegistryLink: ...
 
 
@@ -106,7 +121,14 @@ class OwnRegistry:
         return table
 
     async def attach(
-        self, settings: Settings, table: RegistryTable, on_drained: DrainedSink, metrics: Metrics
+        self,
+        settings: Settings,
+        table: RegistryTable,
+        on_drained: DrainedSink,
+        metrics: Metrics,
+        work: WorkSink,
     ) -> RegistryLink:
         assert self._server is not None, "make_table first"
+        work.follow_work()
+        self._server.work_listener = work.announced_work
         return LocalRegistry(self._server, table, on_drained, self._discovery)

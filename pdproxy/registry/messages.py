@@ -104,6 +104,9 @@ class Load:
     running: int | None = None
     waiting: int | None = None
     kv_usage: float | None = None
+    # A prefill's work: the prompt tokens it has queued or is computing, less what it already
+    # held cached. pdproxy's connector counts it; vLLM's /metrics has no such figure.
+    prefill_tokens: int | None = None
 
 
 @dataclass(frozen=True, slots=True)
@@ -209,6 +212,8 @@ MAX_TRANSFER_COUNT = 2**53
 # Far above any real context (a few million tokens at most), far below anything that would
 # make arithmetic on it costly.
 MAX_MODEL_LEN = 2**32
+# A load's counts: requests, or a prefill's tokens (far above any real queue; a bound to parse).
+MAX_LOAD_COUNT = 2**40
 TRANSFER_ID = re.compile(r"[0-9a-f]{32}-[A-Za-z0-9_.-]{0,63}", re.ASCII)
 
 
@@ -405,12 +410,14 @@ def _load(value: object) -> Load | None:
     if not isinstance(value, dict):
         raise Rejected(Reason.BAD_LOAD, "'load' must be a map")
     counts: dict[str, int] = {}
-    for key in ("running", "waiting"):
+    for key in ("running", "waiting", "prefill_tokens"):
         item = value.get(key)
         if item is None:
             continue
-        if not _is_int(item) or item < 0:
-            raise Rejected(Reason.BAD_LOAD, f"load.{key} must be a non-negative integer")
+        if not _is_int(item) or not 0 <= item <= MAX_LOAD_COUNT:
+            raise Rejected(
+                Reason.BAD_LOAD, f"load.{key} must be an integer in [0, {MAX_LOAD_COUNT}]"
+            )
         counts[key] = item
     usage = value.get("kv_usage")
     if usage is not None and (
@@ -424,6 +431,7 @@ def _load(value: object) -> Load | None:
         running=counts.get("running"),
         waiting=counts.get("waiting"),
         kv_usage=None if usage is None else float(usage),
+        prefill_tokens=counts.get("prefill_tokens"),
     )
 
 

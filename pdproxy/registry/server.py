@@ -126,6 +126,8 @@ class RegistryServer:
         self._context: zmq.asyncio.Context | None = None
         self._socket: zmq.asyncio.Socket | None = None
         self._tasks: list[asyncio.Task[None]] = []
+        # Told each prefill's announced work as it arrives (control.WorkSink), if set.
+        self.work_listener: Callable[[Address, int], None] | None = None
 
     @property
     def sweep_interval(self) -> float:
@@ -219,6 +221,14 @@ class RegistryServer:
         self._metrics.registry_messages.labels("accepted", "ok").inc()
 
     def _on_announced(self, change: Change, instance: Instance) -> None:
+        load = instance.load
+        if (
+            self.work_listener is not None
+            and change is not Change.REFRESHED
+            and load is not None
+            and load.prefill_tokens is not None
+        ):
+            self.work_listener(instance.http_address, load.prefill_tokens)
         if change is Change.REGISTERED:
             log.info(
                 "registry: %s %s registered (zmq %s, %s%s)",

@@ -2,8 +2,10 @@
 
 Every period the registry's name is looked up again and the whole announcement goes to every
 address it has (FanOutClient: each proxy replica keeps its own table). Between periods the load
-is sampled every LOAD_REPORT_S and announced as soon as it changed, so that every replica sees
-the legs the others placed within a second, not a period (stock vLLM's 3 s) later.
+is sampled every `load_report_s` and announced as soon as it changed, so that every replica sees
+the legs the others placed within a second (LOAD_REPORT_S), not a period (stock vLLM's 3 s)
+later; a prefill's work within PREFILL_WORK_REPORT_S (docs/performance.md, "Several
+replicas": replicas place prompts well only on work a few milliseconds old).
 
 The thread never blocks on the registry (see FanOutClient) and every wait is bounded by the
 period, so stopping takes at most one period plus the ZMQ linger.
@@ -28,6 +30,9 @@ log = logging.getLogger("pdproxy.vllm_side")
 DEFAULT_INTERVAL_S = 3.0  # what stock vLLM's P2pNcclEngine uses
 # A load that changed is announced at most this long after: replicas route on each other's legs.
 LOAD_REPORT_S = 1.0
+# A prefill's work (Load.prefill_tokens) changes with every engine step, and the replicas'
+# choices are only as good as its age: reported this often while it changes.
+PREFILL_WORK_REPORT_S = 0.01
 
 
 class RegistrySender(Protocol):
@@ -68,15 +73,19 @@ class Announcer:
         interval_s: float = DEFAULT_INTERVAL_S,
         secret: bytes | None = None,
         wall_clock: Callable[[], float] = time.time,
+        load_report_s: float = LOAD_REPORT_S,
     ) -> None:
         if interval_s <= 0:
             raise ValueError("the announce interval must be positive")
+        if load_report_s <= 0:
+            raise ValueError("the load report period must be positive")
         self._client = client
         self._identity = identity
         self._sample = sample
         self._interval = interval_s
         self._secret = secret  # signs every message when set (announce and leave)
         self._wall_clock = wall_clock
+        self._load_report_s = load_report_s
         self._stop = threading.Event()
         self._thread: threading.Thread | None = None
 
@@ -104,7 +113,7 @@ class Announcer:
 
     def run(self, clock: Callable[[], float] = time.monotonic) -> None:
         """Announce until stop(); then say goodbye to every replica."""
-        tick = min(self._interval, LOAD_REPORT_S)
+        tick = min(self._interval, self._load_report_s)
         next_period = -math.inf
         announced: tuple[Load | None, bool, int | None] | None = None
         while not self._stop.is_set():

@@ -35,7 +35,7 @@ from pdproxy.base.secret_file import read_secret_file
 from pdproxy.pairing.geometry import KvGeometry, KvLayout
 from pdproxy.registry.messages import Geometry, known_fields
 from pdproxy.vllm_side.announcement import TransferStat, WorkerIdentity, context_length
-from pdproxy.vllm_side.announcer import Announcer, LoadSample
+from pdproxy.vllm_side.announcer import LOAD_REPORT_S, Announcer, LoadSample
 from pdproxy.vllm_side.connector_settings import ConnectorSettings, connector_settings
 from pdproxy.vllm_side.cpu_format import cpu_isa, format_for_isa
 from pdproxy.vllm_side.fanout import FanOutClient, announce_resolver
@@ -85,7 +85,7 @@ class PdproxyConnector(KVConnectorBase_V1):  # type: ignore[misc]
         self._is_scheduler = role == KVConnectorRole.SCHEDULER
         path = self._settings.record_path
         self._log = None if path is None else RequestLog(path)
-        self._load = LoadTracker()
+        self._load = LoadTracker(counts_prefill_work=self._settings.role is Role.PREFILL)
         self._announcer: Announcer | None = None
         self._geometry = geometry_from_vllm_config(vllm_config)
         self._block_size = int(vllm_config.cache_config.block_size)
@@ -132,8 +132,17 @@ class PdproxyConnector(KVConnectorBase_V1):  # type: ignore[misc]
         client = FanOutClient(
             settings.registry, settings.zmq_address, announce_resolver(settings.announce_interval_s)
         )
+        # A prefill's work changes with every step: reported within prefill_work_report.
+        report_s = (
+            settings.prefill_work_report_s if settings.role is Role.PREFILL else LOAD_REPORT_S
+        )
         announcer = Announcer(
-            client, identity, self._sample, settings.announce_interval_s, secret=secret
+            client,
+            identity,
+            self._sample,
+            settings.announce_interval_s,
+            secret=secret,
+            load_report_s=report_s,
         )
         announcer.start()
         vllm_log.info(
@@ -285,7 +294,7 @@ class PdproxyConnector(KVConnectorBase_V1):  # type: ignore[misc]
     # -- scheduler side ----------------------------------------------------------------------
 
     def on_new_request(self, request: Any) -> None:
-        self._load.arrived(request.request_id)
+        self._load.arrived(request.request_id, request.num_prompt_tokens)
         params = request.sampling_params
         key = transfer_key(request.request_id, getattr(request, "external_req_id", None))
         if self._settings.role is Role.PREFILL:
@@ -321,10 +330,21 @@ class PdproxyConnector(KVConnectorBase_V1):  # type: ignore[misc]
     def build_connector_meta(self, scheduler_output: Any) -> KVConnectorMetadata:
         meta = PdproxyConnectorMetadata()
         if self._settings.role is Role.PREFILL:
+            self._count_computed(scheduler_output)
             meta.sends = self._sends(scheduler_output)
         elif self._settings.role is Role.DECODE:
             meta.loads, meta.cancelled = self._loading.take()
         return meta
+
+    def _count_computed(self, scheduler_output: Any) -> None:
+        """How far each scheduled prompt is computed: the prefill work the load announces."""
+        scheduled = scheduler_output.num_scheduled_tokens
+        for new in scheduler_output.scheduled_new_reqs:
+            self._load.computed(new.req_id, new.num_computed_tokens + scheduled.get(new.req_id, 0))
+        cached = scheduler_output.scheduled_cached_reqs
+        for index, request_id in enumerate(cached.req_ids):
+            done = cached.num_computed_tokens[index] + scheduled.get(request_id, 0)
+            self._load.computed(request_id, done)
 
     def _sends(self, scheduler_output: Any) -> list[SendSpec]:
         if not len(self._sending):

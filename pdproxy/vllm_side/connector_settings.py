@@ -11,6 +11,9 @@ dropped the top-level kv_ip; where it still exists it is honoured. pdproxy's own
   as vLLM itself finds it);
 - connector_kind: the kind announced to the registry (default "pdproxy");
 - announce_interval: seconds between announcements (default 3);
+- prefill_work_report: a prefill's seconds between samples of its work, announced when it
+  changed (default 0.01; each report costs every proxy replica tens of microseconds:
+  docs/performance.md, "Several replicas");
 - record_path: a JSON-lines file recording what the engine showed the connector (tests);
 - registry_secret_file: a file holding the registry secret; when set, every v1 message is
   signed with it (pdproxy.registry.auth);
@@ -33,7 +36,7 @@ from pathlib import Path
 from typing import Any
 
 from pdproxy.base.roles import Role
-from pdproxy.vllm_side.announcer import DEFAULT_INTERVAL_S
+from pdproxy.vllm_side.announcer import DEFAULT_INTERVAL_S, PREFILL_WORK_REPORT_S
 from pdproxy.vllm_side.route import local_address_towards
 
 # Where the advertised host came from (logged with it).
@@ -58,6 +61,7 @@ class ConnectorSettings:
     registry: str | None  # "proxy_ip:proxy_port"
     connector_kind: str
     announce_interval_s: float
+    prefill_work_report_s: float
     record_path: Path | None
     registry_secret_file: Path | None = None
     kv_timeout_s: float = 30.0
@@ -121,6 +125,9 @@ def connector_settings(
         registry=registry,
         connector_kind=str(extra.get("connector_kind", "pdproxy")),
         announce_interval_s=interval,
+        prefill_work_report_s=_seconds(
+            extra.get("prefill_work_report", PREFILL_WORK_REPORT_S), "prefill_work_report"
+        ),
         record_path=None if record_path is None else Path(str(record_path)),
         registry_secret_file=None if secret_file is None else Path(str(secret_file)),
         kv_timeout_s=_seconds(extra.get("kv_timeout", 30.0), "kv_timeout"),

@@ -3,6 +3,7 @@ process (the live fan-out against real proxies: tests/integration/test_fanout.py
 
 from __future__ import annotations
 
+import itertools
 import threading
 import time
 from typing import Any
@@ -14,7 +15,7 @@ from pdproxy.base.roles import Role
 from pdproxy.demo.processes import wait_until
 from pdproxy.registry.messages import Load
 from pdproxy.vllm_side.announcement import WorkerIdentity
-from pdproxy.vllm_side.announcer import Announcer, LoadSample
+from pdproxy.vllm_side.announcer import PREFILL_WORK_REPORT_S, Announcer, LoadSample
 from pdproxy.vllm_side.fanout import FanOutClient, endpoint
 
 IDENTITY = WorkerIdentity(Role.DECODE, "127.0.0.1:8200", "127.0.0.1:8201")
@@ -120,6 +121,29 @@ def test_a_load_change_is_announced_within_a_second_not_a_period() -> None:
     finally:
         announcer.stop()
     assert client.sent[-1]["op"] == "leave"
+
+
+def test_a_prefills_changing_work_is_announced_every_report_period() -> None:
+    # Work that changes at every sample (a busy prefill): announced each PREFILL_WORK_REPORT_S
+    # (10 ms), where the requests' LOAD_REPORT_S (1 s) would announce it once or twice here.
+    samples = itertools.count()
+    client = Recorder()
+    announcer = Announcer(
+        client,
+        IDENTITY,
+        lambda: LoadSample(Load(running=1, prefill_tokens=next(samples))),
+        interval_s=60.0,
+        load_report_s=PREFILL_WORK_REPORT_S,
+    )
+    announcer.start()
+    try:
+        time.sleep(0.5)
+    finally:
+        announcer.stop()
+    announced = [m["load"]["prefill_tokens"] for m in client.sent if m["op"] == "announce"]
+    print(f"{len(announced)} announcements in 0.5 s")
+    assert len(announced) >= 10
+    assert announced == sorted(set(announced))  # each one a new figure, in order
 
 
 @pytest.mark.parametrize(

@@ -180,6 +180,14 @@ def test_v1_partial_geometry_and_load() -> None:
     assert message.model is None and message.connector is None
 
 
+def test_v1_load_carries_a_prefills_work() -> None:
+    message = decode_frame(frame(with_(V1_MINIMAL, load={"running": 1, "prefill_tokens": 4096})))
+    assert isinstance(message, Announcement)
+    assert message.load == Load(running=1, prefill_tokens=4096)
+    # and back: what the connector sends is what the registry reads
+    assert decode_frame(frame(to_map(message))) == message
+
+
 def test_v1_empty_geometry_and_load_maps() -> None:
     message = decode_frame(frame(with_(V1_MINIMAL, geometry={}, load={})))
     assert isinstance(message, Announcement)
@@ -447,6 +455,10 @@ REJECTED: list[tuple[str, object, Reason]] = [
     ("running float", with_(V1_MINIMAL, load={"running": 1.0}), Reason.BAD_LOAD),
     ("waiting negative", with_(V1_MINIMAL, load={"waiting": -3}), Reason.BAD_LOAD),
     ("waiting str", with_(V1_MINIMAL, load={"waiting": "3"}), Reason.BAD_LOAD),
+    ("prefill_tokens negative", with_(V1_MINIMAL, load={"prefill_tokens": -1}), Reason.BAD_LOAD),
+    ("prefill_tokens float", with_(V1_MINIMAL, load={"prefill_tokens": 5.0}), Reason.BAD_LOAD),
+    ("prefill_tokens bool", with_(V1_MINIMAL, load={"prefill_tokens": False}), Reason.BAD_LOAD),
+    ("prefill_tokens huge", with_(V1_MINIMAL, load={"prefill_tokens": 2**41}), Reason.BAD_LOAD),
     # unknown connector
     ("connector nccl", with_(V1_MINIMAL, connector="nccl"), Reason.UNKNOWN_CONNECTOR),
     ("connector NIXL", with_(V1_MINIMAL, connector="NIXL"), Reason.UNKNOWN_CONNECTOR),

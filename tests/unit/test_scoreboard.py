@@ -488,6 +488,64 @@ def test_prefill_work_board_alone_counts_the_proxys_work_as_it_is() -> None:
     assert board.total == 1200.0
 
 
+def test_prefill_work_announced_as_it_arrives_is_the_others_part() -> None:
+    inflight = InFlight()
+    inflight.follow_work()
+    inflight.add(addr(1), 300)
+    # Announced work: each figure includes the proxy's own legs that reached the instance.
+    inflight.announced_work(addr(1), 1300)  # 1000 beyond the own 300
+    inflight.announced_work(addr(2), 0)
+    instances = (inst(1, Load(prefill_tokens=9)), inst(2, Load(prefill_tokens=9)))
+    candidates = Candidates(instances, inflight, CAPACITY)
+    board = candidates.board(LoadKind.PREFILL_WORK)
+    assert board.scale == 1.0  # the others' work is known: nothing is scaled
+    assert board.others == [1000.0, 0.0]
+    assert board.values == [1300.0, 0.0]
+    # A report rescores its instance at once, with no rebuild (the snapshot still says 9).
+    inflight.announced_work(addr(2), 4000)
+    assert board.values == [1300.0, 4000.0]
+    assert board.best() == 0
+    # The own legs move the score between reports; the others' part stays as reported.
+    inflight.add(addr(2), 500)
+    assert board.values == [1300.0, 4500.0]
+    inflight.remove(addr(1), 300)
+    assert board.values == [1000.0, 4500.0]
+    # A report taken with the own leg in it: only the rest is the others'.
+    inflight.announced_work(addr(2), 600)
+    assert board.others == [1000.0, 100.0]
+    assert board.values == [1000.0, 600.0]
+    assert board.best() == 1
+
+
+def test_announced_work_is_used_only_when_followed_and_known_for_every_candidate() -> None:
+    followed = InFlight()
+    followed.follow_work()
+    announcing = (inst(1, Load(running=1, prefill_tokens=800)), inst(2, Load(prefill_tokens=0)))
+    mixed = (inst(1, Load(running=1, prefill_tokens=800)), inst(2, Load(running=0)))
+    assert scoring(LoadKind.PREFILL_WORK, CAPACITY, announcing, followed).announced_work
+    # One candidate without the figure (a stock vLLM behind the sidecar): scaled, as before.
+    assert scoring(LoadKind.PREFILL_WORK, CAPACITY, mixed, followed).scaled
+    # Not followed as it arrives (an HTTP worker's copy of the table): scaled too.
+    assert scoring(LoadKind.PREFILL_WORK, CAPACITY, announcing, InFlight()).scaled
+    # From the snapshot alone, before any live report: net of the own legs when first seen.
+    fresh = InFlight()
+    fresh.follow_work()
+    fresh.add(addr(1), 300)
+    board = Candidates(announcing, fresh, CAPACITY).board(LoadKind.PREFILL_WORK)
+    assert board.others == [500.0, 0.0]
+    assert board.values == [800.0, 0.0]
+
+
+def test_announced_work_is_forgotten_with_the_instance() -> None:
+    inflight = InFlight()
+    inflight.follow_work()
+    inflight.announced_work(addr(1), 100)
+    inflight.announced_work(addr(2), 200)
+    inflight.keep_reports([addr(2)])
+    assert inflight.others_work(addr(1), None) is None
+    assert inflight.others_work(addr(2), None) == 200.0
+
+
 @pytest.mark.parametrize(
     ("own", "others", "expected"),
     [

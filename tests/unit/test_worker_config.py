@@ -29,7 +29,7 @@ from pdproxy.registry.messages import (
 )
 from pdproxy.vllm_side.announce import add_cli, build_identity
 from pdproxy.vllm_side.announcement import WorkerIdentity, announce_message
-from pdproxy.vllm_side.announcer import DEFAULT_INTERVAL_S
+from pdproxy.vllm_side.announcer import DEFAULT_INTERVAL_S, PREFILL_WORK_REPORT_S
 from pdproxy.vllm_side.connector_settings import (
     DEFAULT_KV_PORT,
     HOST_CONFIGURED,
@@ -179,6 +179,16 @@ def test_bad_ports_are_refused(key: str, port: object) -> None:
 def test_announce_interval_must_be_positive(interval: object) -> None:
     with pytest.raises(ConnectorConfigError, match="announce_interval"):
         connector_settings("kv_producer", None, None, {"announce_interval": interval}, "h")
+
+
+def test_a_prefills_work_is_reported_every_10_ms_unless_configured() -> None:
+    default = connector_settings("kv_producer", None, None, {}, "h")
+    assert default.prefill_work_report_s == PREFILL_WORK_REPORT_S == 0.01
+    slower = connector_settings("kv_producer", None, None, {"prefill_work_report": "0.1"}, "h")
+    assert slower.prefill_work_report_s == 0.1
+    for bad in (0, -0.01, "often"):
+        with pytest.raises(ConnectorConfigError, match="prefill_work_report"):
+            connector_settings("kv_producer", None, None, {"prefill_work_report": bad}, "h")
 
 
 def test_announce_interval_non_numeric_is_a_value_error() -> None:
@@ -447,6 +457,44 @@ def test_tracker_scheduled_without_arrival_counts_running() -> None:
     tracker = LoadTracker()
     tracker.scheduled("x")
     assert (tracker.load().running, tracker.load().waiting) == (1, 0)
+
+
+def test_a_prefills_work_is_the_prompt_tokens_not_computed_yet() -> None:
+    tracker = LoadTracker(counts_prefill_work=True)
+    tracker.arrived("a", 1000)
+    tracker.arrived("b", 300)
+    assert tracker.load() == Load(running=0, waiting=2, prefill_tokens=1300)
+    tracker.scheduled("a")
+    tracker.computed("a", 512 + 256)  # 512 cached, a chunk of 256 computed this step
+    assert tracker.load().prefill_tokens == 232 + 300
+    tracker.computed("a", 1000)  # the last chunk: a's prefill is done
+    assert tracker.load().prefill_tokens == 300
+    tracker.finished("a")  # its decode step and finish change nothing more
+    assert tracker.load().prefill_tokens == 300
+    tracker.finished("b")  # aborted while queued
+    assert tracker.load() == Load(running=0, waiting=0, prefill_tokens=0)
+
+
+def test_prefill_work_survives_repeats_and_strangers() -> None:
+    tracker = LoadTracker(counts_prefill_work=True)
+    tracker.arrived("a", 100)
+    tracker.arrived("a", 100)  # re-queued after a preemption: counted once
+    tracker.computed("never-seen", 50)
+    tracker.finished("never-seen")
+    assert tracker.load().prefill_tokens == 100
+    tracker.computed("a", 40)
+    tracker.computed("a", 40)  # the same progress told twice
+    assert tracker.load().prefill_tokens == 60
+    tracker.computed("a", 10_000)  # never below nothing
+    assert tracker.load().prefill_tokens == 0
+    tracker.finished("a")
+    assert tracker.load().prefill_tokens == 0
+
+
+def test_a_decode_announces_no_prefill_work() -> None:
+    tracker = LoadTracker()  # what a decode's connector builds
+    tracker.arrived("a", 1000)
+    assert tracker.load().prefill_tokens is None
 
 
 # --- vllm_metrics --------------------------------------------------------------------------------

@@ -39,12 +39,15 @@ def test_connector_announces_real_geometry(real_stack: RealStack) -> None:
 
     def idle() -> bool:
         listed = real_stack.instances()
-        return all(listed[server.http_address]["load"]["running"] == 0 for server in servers)
+        prefill_load = listed[real_stack.prefill.http_address]["load"]
+        return prefill_load.get("prefill_tokens") == 0 and all(
+            listed[server.http_address]["load"]["running"] == 0 for server in servers
+        )
 
     # Load is reported every announce interval (1 s): requests of earlier tests (aborted ones
     # included) may still show for one report. A request the connector never saw finish would
     # keep `running` above 0 and fail here.
-    wait_until(idle, 10.0, "both servers to announce no running request")
+    wait_until(idle, 10.0, "both servers to announce no running request and no prefill work")
     instances = real_stack.instances()
     for server, role in ((real_stack.prefill, "P"), (real_stack.decode, "D")):
         item = instances[server.http_address]
@@ -56,6 +59,10 @@ def test_connector_announces_real_geometry(real_stack: RealStack) -> None:
         assert item["geometry"] == REAL_GEOMETRY
         assert item["healthy"] is True
         assert item["load"]["running"] == 0
+    # The prefill announces its work: after every earlier test's prompts (cached, chunked,
+    # aborted), none is left over. A decode announces none.
+    assert instances[real_stack.prefill.http_address]["load"]["prefill_tokens"] == 0
+    assert "prefill_tokens" not in instances[real_stack.decode.http_address]["load"]
     announced = [r for r in real_stack.prefill.records() if r["event"] == "announcing"]
     assert announced and announced[0]["geometry"] == REAL_GEOMETRY
     # The prefill was given no advertise_host: it announced the local end of its route to the
