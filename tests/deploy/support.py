@@ -46,7 +46,7 @@ def example_values(name: str) -> dict[str, Any]:
 
 def _with_pdproxy_connector(values: dict[str, Any]) -> dict[str, Any]:
     """The fleet on pdproxy's own connector, signing its announcements with a registry secret
-    (read from a file mounted into the vLLM container)."""
+    (read from a file mounted into the vLLM container), its prefills' work reported every 50 ms."""
     registry = {"existingSecret": "pdproxy-registry", "key": "hmac"}
     return {
         **values,
@@ -55,6 +55,7 @@ def _with_pdproxy_connector(values: dict[str, Any]) -> dict[str, Any]:
             **values["fleet"],
             "connector": "PdproxyConnector",
             "announce": {"enabled": False},
+            "prefillWorkReportSeconds": 0.05,
         },
         "auth": {**values.get("auth", {}), "registrySecret": registry},
     }

@@ -881,6 +881,9 @@ def test_fleet_announces_to_the_registry_service(name: str, tmp_path: Path) -> N
             assert read.registry == f"{registry_host}:{registry_port['port']}"
             secret_file = extra.get("registry_secret_file")
             assert read.registry_secret_file == (None if secret_file is None else Path(secret_file))
+            default_report = DEFAULT_VALUES["fleet"]["prefillWorkReportSeconds"]
+            report = values["fleet"].get("prefillWorkReportSeconds", default_report)
+            assert read.prefill_work_report_s == report
         elif kv["kv_connector"] == "NixlConnector":
             # NIXL reads no key of pdproxy's; its side channel is the announced zmq address.
             assert set(kv) == common

@@ -253,6 +253,9 @@ the extra keys (its side channel comes from VLLM_NIXL_SIDE_CHANNEL_HOST/PORT, se
 {{- $fleet := $root.Values.fleet }}
 {{- $spec := index $fleet $role }}
 {{- $extra := dict "http_port" (toString $fleet.httpPort) "kv_ip" "$(POD_IP)" }}
+{{- if eq $fleet.connector "PdproxyConnector" }}
+{{- $_ := set $extra "prefill_work_report" (toString $fleet.prefillWorkReportSeconds) }}
+{{- end }}
 {{- if and (eq $fleet.connector "PdproxyConnector") $root.Values.auth.registrySecret.existingSecret }}
 {{- $_ := set $extra "registry_secret_file" (include "pdproxy.secretFile" "registry-secret") }}
 {{- end }}
