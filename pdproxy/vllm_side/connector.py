@@ -86,6 +86,7 @@ class PdproxyConnector(KVConnectorBase_V1):  # type: ignore[misc]
         path = self._settings.record_path
         self._log = None if path is None else RequestLog(path)
         self._load = LoadTracker(counts_prefill_work=self._settings.role is Role.PREFILL)
+        self._sampled_work: int | None = None  # the work last sampled for an announcement
         self._announcer: Announcer | None = None
         self._geometry = geometry_from_vllm_config(vllm_config)
         self._block_size = int(vllm_config.cache_config.block_size)
@@ -157,7 +158,11 @@ class PdproxyConnector(KVConnectorBase_V1):  # type: ignore[misc]
     def _sample(self) -> LoadSample:
         manager = self._kv_cache_manager
         usage = None if manager is None else min(1.0, max(0.0, float(manager.usage)))
-        return LoadSample(self._load.load(kv_usage=usage))
+        load = self._load.load(kv_usage=usage)
+        if load.prefill_tokens != self._sampled_work:  # what the announcer is about to tell
+            self._sampled_work = load.prefill_tokens
+            self._record("work", prefill_tokens=load.prefill_tokens)
+        return LoadSample(load)
 
     def _record(self, event: str, **fields: Any) -> None:
         if self._log is not None:

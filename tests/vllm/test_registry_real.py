@@ -72,6 +72,46 @@ def test_connector_announces_real_geometry(real_stack: RealStack) -> None:
     assert f"zmq {real_stack.prefill.zmq_address} (host from route to the registry)" in log
 
 
+def test_a_real_prefill_announces_the_work_it_has_queued(real_stack: RealStack) -> None:
+    """A burst of prompts sent straight to the prefill: the work its connector samples for the
+    announcer (recorded as "work") rises above 0 while they are queued and computed, never above
+    the prompt tokens sent, and is 0 again once they are done."""
+    prefill = real_stack.prefill
+    before = len(prefill.records("work"))
+    client = openai.OpenAI(
+        base_url=f"{prefill.url}/v1", api_key="x", max_retries=0, timeout=GENERATION_BOUND_S
+    )
+    prompt_tokens: list[int] = []
+    errors: list[BaseException] = []
+
+    def send(index: int) -> None:
+        try:
+            # Different from the first word on: no prefix is cached for another.
+            words = " ".join(f"w{index}x{k}" for k in range(300))
+            answer = client.completions.create(model=MODEL_NAME, prompt=words, max_tokens=1)
+            assert answer.usage is not None
+            prompt_tokens.append(answer.usage.prompt_tokens)
+        except BaseException as exc:
+            errors.append(exc)
+
+    senders = [threading.Thread(target=send, args=(i,), daemon=True) for i in range(24)]
+    for sender in senders:
+        sender.start()
+    for sender in senders:
+        sender.join(GENERATION_BOUND_S)
+    assert errors == [] and len(prompt_tokens) == len(senders)
+
+    def settled() -> bool:
+        work = prefill.records("work")[before:]
+        return bool(work) and work[-1]["prefill_tokens"] == 0
+
+    wait_until(settled, 10.0, "the prefill's work to be sampled back at 0")
+    work = [row["prefill_tokens"] for row in prefill.records("work")[before:]]
+    print(f"sampled work: {work[:12]}{' ...' if len(work) > 12 else ''}; sent {sum(prompt_tokens)}")
+    assert max(work) > 0
+    assert max(work) <= sum(prompt_tokens)
+
+
 def test_stopped_vllm_server_leaves_the_registry_within_the_ttl(
     vllm_env: VllmEnv, vllm_model: Path, tmp_path: Path
 ) -> None:
