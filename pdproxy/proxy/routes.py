@@ -38,6 +38,7 @@ from pdproxy.proxy.peers import (
 from pdproxy.proxy.state import AppState
 from pdproxy.registry.auth import address_allowed, parse_cidrs
 from pdproxy.registry.control import ControlUnavailable
+from pdproxy.registry.messages import known_fields
 from pdproxy.registry.operator import ControlReply, ControlRequest, Operation
 from pdproxy.registry.table import Instance, Registration, Source
 
@@ -303,7 +304,8 @@ def _describe(entry: Registration, now: float, state: AppState) -> dict[str, Any
         "model": instance.model,
         "connector": None if instance.connector is None else instance.connector.value,
         "geometry": None if geometry is None else _fields(geometry),
-        "load": None if load is None else _fields(load),
+        # As announced: the fields an instance did not report are left out, as on the wire.
+        "load": None if load is None else known_fields(load),
         "healthy": instance.healthy,
         "circuit": health.circuit.value,
         "consecutive_failures": health.consecutive_failures,
