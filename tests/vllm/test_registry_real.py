@@ -87,7 +87,7 @@ def test_a_real_prefill_announces_the_work_it_has_queued(real_stack: RealStack) 
     def send(index: int) -> None:
         try:
             # Different from the first word on: no prefix is cached for another.
-            words = " ".join(f"w{index}x{k}" for k in range(300))
+            words = " ".join(f"w{index}x{k}" for k in range(120))
             answer = client.completions.create(model=MODEL_NAME, prompt=words, max_tokens=1)
             assert answer.usage is not None
             prompt_tokens.append(answer.usage.prompt_tokens)
