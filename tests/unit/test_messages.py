@@ -458,7 +458,7 @@ REJECTED: list[tuple[str, object, Reason]] = [
     ("prefill_tokens negative", with_(V1_MINIMAL, load={"prefill_tokens": -1}), Reason.BAD_LOAD),
     ("prefill_tokens float", with_(V1_MINIMAL, load={"prefill_tokens": 5.0}), Reason.BAD_LOAD),
     ("prefill_tokens bool", with_(V1_MINIMAL, load={"prefill_tokens": False}), Reason.BAD_LOAD),
-    ("prefill_tokens huge", with_(V1_MINIMAL, load={"prefill_tokens": 2**41}), Reason.BAD_LOAD),
+    ("prefill_tokens str", with_(V1_MINIMAL, load={"prefill_tokens": "4096"}), Reason.BAD_LOAD),
     # unknown connector
     ("connector nccl", with_(V1_MINIMAL, connector="nccl"), Reason.UNKNOWN_CONNECTOR),
     ("connector NIXL", with_(V1_MINIMAL, connector="NIXL"), Reason.UNKNOWN_CONNECTOR),
