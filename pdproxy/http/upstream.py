@@ -90,10 +90,12 @@ class _Connection(asyncio.Protocol):
         self.idle_since = 0.0
         self.sent_at = 0.0
         self._in_exchange = False
+        # One parser for the connection's life: a pooled connection is only reused after a
+        # whole keep-alive answer, where the parser is ready for the next one.
+        self._parser = httptools.HttpResponseParser(self)
         self._reset_exchange()
 
     def _reset_exchange(self) -> None:
-        self._parser = httptools.HttpResponseParser(self)
         self.status = 0
         # Raw bytes, relayed to the client as they came (a decode and re-encode could change
         # bytes above 0x7F).

@@ -59,6 +59,7 @@ async def _registry_main(
         settings,
         shared.state_endpoint,
         shared.control_endpoint,
+        shared.work_endpoint,
         shared.admin_state,
         Metrics(shared_dir=shared.metrics_dir),
         restarted=restarted,

@@ -5,7 +5,9 @@ transfer statistics, the drained set. Its state goes to the workers over a PUB s
 PUBLISH_CHECK_SECONDS of a change of membership (or of the drained set), within
 LOAD_REFRESH_SECONDS of a load-only change (the same lag a single process's routing snapshot
 allows), and every REPUBLISH_SECONDS regardless, so a worker that starts late catches up. The
-admin API's changes come in over a ROUTER socket; each reply names the revision whose
+prefills' announced work (`Load.prefill_tokens`) goes to the workers on a PUB socket of its own
+the moment each report arrives, as a single process hands it to its planner. The admin API's
+changes come in over a ROUTER socket; each reply names the revision whose
 publication shows the change, and what only an operator said (instances registered through the
 API, the drained set) is written to the shared directory after every change.
 
@@ -28,8 +30,9 @@ import zmq
 import zmq.asyncio
 
 from pdproxy.config import Settings
+from pdproxy.ids import Address
 from pdproxy.metrics import Metrics
-from pdproxy.multiworker.shared_state import SharedState, decode, encode
+from pdproxy.multiworker.shared_state import SharedState, WorkReport, decode, encode
 from pdproxy.registry.discovery import Discovery, start_discovery
 from pdproxy.registry.operator import AdminState, ControlReply, ControlRequest, FleetOperator
 from pdproxy.registry.seeded import seeded_table
@@ -40,6 +43,9 @@ log = logging.getLogger("pdproxy.registry")
 
 PUBLISH_CHECK_SECONDS = 0.05
 REPUBLISH_SECONDS = 2.0
+# Work reports queued for a worker that is not reading: past this many, the newest are dropped
+# for it (the next report of the same prefill replaces a lost one within milliseconds).
+WORK_QUEUE_BOUND = 10_000
 
 
 class RegistryHub:
@@ -48,6 +54,7 @@ class RegistryHub:
         settings: Settings,
         state_endpoint: str,
         control_endpoint: str,
+        work_endpoint: str,
         admin_path: str,
         metrics: Metrics,
         clock: Callable[[], float] = time.monotonic,
@@ -55,6 +62,8 @@ class RegistryHub:
     ) -> None:
         self._state_endpoint = state_endpoint
         self._control_endpoint = control_endpoint
+        self._work_endpoint = work_endpoint
+        self._work_publisher: zmq.Socket[bytes] | None = None
         self._admin_path = admin_path
         self._clock = clock
         self._hold_until = clock() + (settings.ttl if restarted else 0.0)
@@ -132,12 +141,19 @@ class RegistryHub:
         context = zmq.asyncio.Context()
         publisher = context.socket(zmq.PUB)
         controls = context.socket(zmq.ROUTER)
+        # Not an asyncio socket: reports are sent from the registry's callback, and a PUB
+        # socket never waits (past its bound it drops).
+        work_publisher: zmq.Socket[bytes] = zmq.Context.shadow(context.underlying).socket(zmq.PUB)
         tasks: list[asyncio.Task[None]] = []
         try:
-            for sock in (publisher, controls):
+            for sock in (publisher, controls, work_publisher):
                 sock.setsockopt(zmq.LINGER, 0)
+            work_publisher.setsockopt(zmq.SNDHWM, WORK_QUEUE_BOUND)
             publisher.bind(self._state_endpoint)
             controls.bind(self._control_endpoint)
+            work_publisher.bind(self._work_endpoint)
+            self._work_publisher = work_publisher
+            self.registry.work_listener = self.forward_work
             tasks = [
                 asyncio.create_task(self._publish_loop(publisher), name="hub-publish"),
                 asyncio.create_task(self._control_loop(controls, publisher), name="hub-control"),
@@ -160,9 +176,21 @@ class RegistryHub:
             if discovery is not None:
                 await discovery.stop()
             await self.registry.stop()
+            self.registry.work_listener = None
+            self._work_publisher = None
             publisher.close(linger=0)
             controls.close(linger=0)
+            work_publisher.close(linger=0)
             context.term()
+
+    def forward_work(self, address: Address, prefill_tokens: int) -> None:
+        """The registry's work listener: every HTTP worker hears the report at once."""
+        if self._work_publisher is None:
+            return
+        try:
+            self._work_publisher.send(encode(WorkReport(address, prefill_tokens)), zmq.NOBLOCK)
+        except zmq.ZMQError as exc:  # a report is worth less than the registry's loop
+            log.warning("registry: could not forward a work report of %s: %s", address, exc)
 
     async def _publish_loop(self, publisher: zmq.asyncio.Socket) -> None:
         while True:

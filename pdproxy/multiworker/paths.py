@@ -22,6 +22,10 @@ class SharedPaths:
         return f"ipc://{os.path.join(self.directory, 'control')}"
 
     @property
+    def work_endpoint(self) -> str:
+        return f"ipc://{os.path.join(self.directory, 'work')}"
+
+    @property
     def admin_state(self) -> str:
         return os.path.join(self.directory, "admin-state")
 

@@ -14,6 +14,7 @@ from pdproxy.metrics import Metrics
 from pdproxy.multiworker.fleet_control import RemoteControl
 from pdproxy.multiworker.paths import SharedPaths
 from pdproxy.multiworker.table_mirror import TableMirror
+from pdproxy.multiworker.work_mirror import WorkMirror
 from pdproxy.registry.control import DrainedSink, RegistryLink, WorkSink
 from pdproxy.registry.table import RegistryTable
 
@@ -28,11 +29,18 @@ FIRST_COPY_GRACE_SECONDS = 3.0
 
 class RegistryCopy:
     def __init__(
-        self, shared: SharedPaths, table: RegistryTable, on_drained: DrainedSink, metrics: Metrics
+        self,
+        shared: SharedPaths,
+        table: RegistryTable,
+        on_drained: DrainedSink,
+        metrics: Metrics,
+        work: WorkSink,
     ) -> None:
         self._context = zmq.asyncio.Context()
         self._mirror = TableMirror(shared.state_endpoint, self._context, table, on_drained, metrics)
         self._mirror.start()
+        self._work = WorkMirror(shared.work_endpoint, self._context, work)
+        self._work.start()
         self.control = RemoteControl(shared.control_endpoint, self._context, self._mirror)
 
     async def first_copy(self, ttl: float) -> None:
@@ -41,6 +49,7 @@ class RegistryCopy:
             log.warning("no table from the registry process within %gs: serving without", within)
 
     async def stop(self) -> None:
+        await self._work.stop()
         await self._mirror.stop()
         self._context.term()
 
@@ -66,9 +75,6 @@ class RegistryProcessCopy:
         metrics: Metrics,
         work: WorkSink,
     ) -> RegistryLink:
-        # Announced work is not followed here: the copy of the table comes every
-        # LOAD_REFRESH_SECONDS, far too late to place prompts by (the planner keeps scaling its
-        # own legs' work instead; docs/architecture.md, "Scaling out").
-        copy = RegistryCopy(self._shared, table, on_drained, metrics)
+        copy = RegistryCopy(self._shared, table, on_drained, metrics, work)
         await copy.first_copy(settings.ttl)  # before the lifespan ends: before it listens
         return copy

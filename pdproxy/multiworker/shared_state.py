@@ -1,7 +1,9 @@
 """What the registry process tells the HTTP workers, and what they ask of it (`--workers` > 1).
 
 The registry process owns the table and the drained set; every HTTP worker holds a copy it
-replaces with each published `SharedState`. Operator actions (the admin API) reach the owner as
+replaces with each published `SharedState`. Each prefill's announced work is forwarded on its own
+as a `WorkReport` the moment it arrives: the table's copy comes far too seldom to place prompts
+by it. Operator actions (the admin API) reach the owner as
 a `ControlRequest` and are answered by a `ControlReply` naming the revision that shows them.
 
 Both travel as pickles over ipc sockets inside a directory only the proxy's own user can enter
@@ -15,6 +17,7 @@ import pickle
 from dataclasses import dataclass
 from typing import TypeVar
 
+from pdproxy.ids import Address
 from pdproxy.registry.operator import AdminState, ControlReply, ControlRequest
 from pdproxy.registry.table import Registration
 
@@ -26,10 +29,18 @@ class SharedState:
     drained: frozenset[str]
 
 
+@dataclass(frozen=True, slots=True)
+class WorkReport:
+    """A prefill's announced work (`Load.prefill_tokens`), as the registry process heard it."""
+
+    address: Address  # the prefill's HTTP address
+    prefill_tokens: int
+
+
 _T = TypeVar("_T")
 
 
-def encode(value: SharedState | ControlRequest | ControlReply | AdminState) -> bytes:
+def encode(value: SharedState | WorkReport | ControlRequest | ControlReply | AdminState) -> bytes:
     return pickle.dumps(value, protocol=pickle.HIGHEST_PROTOCOL)
 
 

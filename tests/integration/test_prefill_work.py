@@ -6,13 +6,16 @@ A fake prefill announces the prompt tokens it holds (as pdproxy's connector anno
 tokens a vLLM prefill has still to compute), within PREFILL_WORK_REPORT_S; a test can force the
 figure (POST /_fake/load). Prefix affinity reads it as the work other proxy replicas and
 clients put there: an instance announcing a large backlog takes none of the prompts whose ring
-position it owns, and takes them again once the backlog is gone.
+position it owns, and takes them again once the backlog is gone; under `--workers` too, where
+the registry process forwards each report to every HTTP worker.
 """
 
 from __future__ import annotations
 
 import threading
 from typing import Any
+
+import pytest
 
 from pdproxy.demo.fleet import LocalFleet, Worker, WorkerSpec
 from pdproxy.demo.processes import wait_until
@@ -71,10 +74,16 @@ def prefills_taken(fleet: LocalFleet, prompts: list[str]) -> dict[str, int]:
     }
 
 
+@pytest.mark.parametrize("workers", [1, 2])
 def test_a_prefill_announcing_a_backlog_gets_no_prompts_until_it_clears(
-    fleet_factory: FleetFactory,
+    fleet_factory: FleetFactory, workers: int
 ) -> None:
-    fleet = fleet_factory([WorkerSpec("P"), WorkerSpec("P"), WorkerSpec("D")])
+    """With several HTTP workers the registry process forwards each report to all of them at
+    once, and each places prompts by it as a single process does (each prompt here comes on a
+    connection of its own, which the kernel hands to either worker)."""
+    fleet = fleet_factory(
+        [WorkerSpec("P"), WorkerSpec("P"), WorkerSpec("D")], ["--workers", str(workers)]
+    )
     busy, free = fleet.role("P")
     for worker in (busy, free):
         wait_announced_work(fleet, worker, 0, "an idle prefill's work")

@@ -156,6 +156,36 @@ def test_request_head_carries_headers_and_length() -> None:
     asyncio.run(scenario())
 
 
+def test_a_header_with_a_line_break_is_never_sent() -> None:
+    """A CR or LF in a header's value would end its line early and forge a header of its
+    own: the request is refused before any byte goes out, naming the header."""
+    seen: list[bytes] = []
+
+    async def record(reader: asyncio.StreamReader, writer: asyncio.StreamWriter) -> None:
+        head, body = await read_request(reader)
+        seen.append(head + body)
+        writer.write(answer(b"{}"))
+        await writer.drain()
+
+    async def scenario() -> None:
+        async with Server(record) as server:
+            for forged in (
+                {**HEADERS, "X-Tag": "a\r\nX-Forged: 1"},
+                {**HEADERS, "X-Tag": "a\nX-Forged: 1"},
+            ):
+
+                async def send(client: Upstream, headers: dict[str, str] = forged) -> None:
+                    await client.post(server.address, "/x", b"{}", headers, 100)
+
+                with pytest.raises(ValueError, match=r"header X-Tag contains a line break"):
+                    await with_client(send)
+            await with_client(lambda c: c.post(server.address, "/x", b"{}", HEADERS, 100))
+        assert len(seen) == 1  # only the clean request reached the server
+        assert b"X-Forged" not in seen[0]
+
+    asyncio.run(scenario())
+
+
 def test_chunked_answer_streams_piece_by_piece() -> None:
     release = asyncio.Event()
 

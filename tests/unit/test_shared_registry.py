@@ -37,7 +37,15 @@ def admin_path(tmp_path: Path) -> str:
 
 def hub(admin_path: str, **options: object) -> RegistryHub:
     settings = Settings(**options)
-    return RegistryHub(settings, "ipc://unused-a", "ipc://unused-b", admin_path, Metrics(), Clock())
+    return RegistryHub(
+        settings,
+        "ipc://unused-a",
+        "ipc://unused-b",
+        "ipc://unused-c",
+        admin_path,
+        Metrics(),
+        Clock(),
+    )
 
 
 def static(address: Address, role: Role = Role.DECODE) -> Instance:
@@ -65,23 +73,27 @@ def test_the_revision_moves_only_with_the_content(admin_path: str) -> None:
 
 def test_a_registry_started_again_counts_on_from_higher_revisions(admin_path: str) -> None:
     clock = Clock()
-    first = RegistryHub(Settings(), "ipc://a", "ipc://b", admin_path, Metrics(), clock)
+    first = RegistryHub(Settings(), "ipc://a", "ipc://b", "ipc://c", admin_path, Metrics(), clock)
     for _ in range(1000):
         first.control(ControlRequest(Operation.REGISTER, instance=static(DECODE)))
         first.control(ControlRequest(Operation.REMOVE, address=DECODE))
     clock.now += 0.001  # a millisecond later, after a crash
-    again = RegistryHub(Settings(), "ipc://a", "ipc://b", admin_path, Metrics(), clock, True)
+    again = RegistryHub(
+        Settings(), "ipc://a", "ipc://b", "ipc://c", admin_path, Metrics(), clock, True
+    )
     assert again.state().revision > first.state().revision
 
 
 def test_what_an_operator_said_survives_a_restart(admin_path: str) -> None:
     clock = Clock()
-    first = RegistryHub(Settings(), "ipc://a", "ipc://b", admin_path, Metrics(), clock)
+    first = RegistryHub(Settings(), "ipc://a", "ipc://b", "ipc://c", admin_path, Metrics(), clock)
     assert first.control(ControlRequest(Operation.REGISTER, instance=static(DECODE)))
     assert first.control(ControlRequest(Operation.REGISTER, instance=static(PREFILL)))
     assert first.control(ControlRequest(Operation.DRAIN, address=DECODE))
     assert first.control(ControlRequest(Operation.REMOVE, address=PREFILL))
-    again = RegistryHub(Settings(), "ipc://a", "ipc://b", admin_path, Metrics(), clock, True)
+    again = RegistryHub(
+        Settings(), "ipc://a", "ipc://b", "ipc://c", admin_path, Metrics(), clock, True
+    )
     state = again.state()
     assert [e.instance.http_address for e in state.entries] == [DECODE]
     assert state.drained == {str(DECODE)}
@@ -89,7 +101,9 @@ def test_what_an_operator_said_survives_a_restart(admin_path: str) -> None:
 
 def test_a_restarted_registry_holds_back_for_one_ttl(admin_path: str) -> None:
     clock = Clock()
-    h = RegistryHub(Settings(ttl=4), "ipc://a", "ipc://b", admin_path, Metrics(), clock, True)
+    h = RegistryHub(
+        Settings(ttl=4), "ipc://a", "ipc://b", "ipc://c", admin_path, Metrics(), clock, True
+    )
     reply = h.control(ControlRequest(Operation.DRAIN, address=DECODE))
     assert reply is not None and not reply.done and reply.unavailable is not None
     assert "try again in 4s" in reply.unavailable
