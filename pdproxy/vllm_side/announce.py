@@ -15,6 +15,7 @@ import logging
 import os
 import signal
 import sys
+import time
 import urllib.error
 import urllib.request
 from collections.abc import Callable, Mapping
@@ -47,13 +48,31 @@ log = logging.getLogger("pdproxy.announce")
 CONNECTOR_KINDS = tuple(kind.value for kind in Connector)
 MAX_METRICS_BYTES = 8 * 1024 * 1024  # a /metrics page larger than this is not vLLM's
 MAX_MODELS_BYTES = 1024 * 1024  # nor a /v1/models list larger than this
+DEFAULT_UNHEALTHY_AFTER_S = 30.0
 
 
 class MetricsScraper:
-    def __init__(self, url: str, timeout_s: float) -> None:
+    """The load from the server's /metrics. A server that refuses the connection or answers
+    something else is announced unhealthy at once. One that is only slow (a busy vLLM's API
+    server can take seconds for /metrics) keeps its last load, healthy, for `unhealthy_after`
+    seconds of timed-out scrapes: taking a busy instance out of the rotation would pile its
+    traffic onto the others (the proxy's own probes and outlier ejection judge its answers)."""
+
+    def __init__(
+        self,
+        url: str,
+        timeout_s: float,
+        unhealthy_after_s: float = 0.0,
+        clock: Callable[[], float] = time.monotonic,
+    ) -> None:
         self._url = url
         self._timeout = timeout_s
+        self._unhealthy_after = unhealthy_after_s
+        self._clock = clock
         self._was_healthy: bool | None = None
+        self._last: LoadSample | None = None  # the last scrape that answered
+        self._last_at = 0.0
+        self._slow = False
 
     def __call__(self) -> LoadSample:
         try:
@@ -61,13 +80,40 @@ class MetricsScraper:
                 text = response.read(MAX_METRICS_BYTES).decode("utf-8", "replace")
             sample = LoadSample(load_from_metrics(text))
         except (OSError, urllib.error.URLError, MetricsFormatError, ValueError) as exc:
-            sample = LoadSample(None, healthy=False)
-            if self._was_healthy is not False:
-                log.warning("%s unreachable (%s): announcing it unhealthy", self._url, exc)
+            sample = self._failed(exc)
+        else:
+            self._last, self._last_at = sample, self._clock()
+            if self._slow and self._was_healthy is not False:
+                log.info("%s answers in time again", self._url)
+            self._slow = False
         if sample.healthy and self._was_healthy is False:
             log.info("%s answers again", self._url)
         self._was_healthy = sample.healthy
         return sample
+
+    def _failed(self, exc: Exception) -> LoadSample:
+        last = self._last
+        if scrape_timed_out(exc) and last is not None:
+            slow_for = self._clock() - self._last_at
+            if slow_for < self._unhealthy_after:
+                if not self._slow:
+                    log.warning(
+                        "%s slow (%s): announcing its last load, healthy, for up to %gs",
+                        self._url,
+                        exc,
+                        self._unhealthy_after,
+                    )
+                self._slow = True
+                return LoadSample(last.load)
+        if self._was_healthy is not False:
+            log.warning("%s unreachable (%s): announcing it unhealthy", self._url, exc)
+        return LoadSample(None, healthy=False)
+
+
+def scrape_timed_out(exc: Exception) -> bool:
+    """A scrape that ran out of time (the server is there but slow), not a refusal."""
+    reason = exc.reason if isinstance(exc, urllib.error.URLError) else exc
+    return isinstance(reason, TimeoutError)
 
 
 def context_length_from_models(body: bytes, model: str | None) -> int | None:
@@ -198,6 +244,14 @@ def add_cli(commands: Any) -> None:
         help="seconds one scrape of the server may take (default: %(default)s)",
     )
     parser.add_argument(
+        "--unhealthy-after",
+        type=_positive_float,
+        default=DEFAULT_UNHEALTHY_AFTER_S,
+        help="seconds of scrapes timing out before a slow server is announced unhealthy; "
+        "until then its last load is (a refused connection counts at once; default: "
+        "%(default)s)",
+    )
+    parser.add_argument(
         "--registry-secret-file",
         type=Path,
         help="file holding the registry secret to sign messages with (or set "
@@ -310,7 +364,12 @@ def _geometry(args: argparse.Namespace) -> Geometry:
 
 
 def run(args: argparse.Namespace) -> int:
-    logging.basicConfig(level=args.log_level.upper(), stream=sys.stderr)
+    logging.basicConfig(
+        level=args.log_level.upper(),
+        stream=sys.stderr,
+        # Timed, as the proxy's own lines: an announcement gap shows up against its registry.
+        format="%(asctime)s %(levelname)s %(name)s: %(message)s",
+    )
     try:
         identity = build_identity(args)
         secret = registry_secret(args, os.environ)
@@ -344,7 +403,9 @@ def _sampler(args: argparse.Namespace) -> Callable[[], LoadSample]:
     """Each period: the load from /metrics, and the context length from /v1/models unless
     --max-model-len gave it."""
     scraper = MetricsScraper(
-        args.metrics_url or f"http://{args.http_address}/metrics", args.scrape_timeout
+        args.metrics_url or f"http://{args.http_address}/metrics",
+        args.scrape_timeout,
+        args.unhealthy_after,
     )
     if args.max_model_len is not None:
         return scraper

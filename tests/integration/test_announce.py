@@ -6,6 +6,7 @@ Every process is stopped by PID in a fixture; every wait is a bounded poll.
 
 from __future__ import annotations
 
+import contextlib
 import json
 import signal
 import subprocess
@@ -94,15 +95,16 @@ vllm:e2e_request_latency_seconds_sum{{{labels}}} 4.5
 
 
 class FakeVllmServer:
-    """GET /metrics answers whatever text the test set last, GET /v1/models the model list it
-    set (404 until then); stop() closes the port (so the sidecar's scrape is refused) and
-    start() opens the same port again."""
+    """GET /metrics answers whatever text the test set last, `delay` seconds late (a busy
+    vLLM's API server), GET /v1/models the model list it set (404 until then); stop() closes
+    the port (so the sidecar's scrape is refused) and start() opens the same port again."""
 
     def __init__(self, port: int) -> None:
         self.port = port
         self._text = vllm_metrics(0, 0, 0.0)
         self._lock = threading.Lock()
         self.scrapes = 0
+        self.delay = 0.0
         self.models: dict[str, Any] | None = None
         self._server: ThreadingHTTPServer | None = None
         self._thread: threading.Thread | None = None
@@ -128,15 +130,18 @@ class FakeVllmServer:
                 if self.path == "/v1/models" and owner.models is not None:
                     body = json.dumps(owner.models).encode()
                 elif self.path == "/metrics":
+                    time.sleep(owner.delay)
                     body = owner._answer()
                 else:
                     self.send_error(404)
                     return
-                self.send_response(200)
-                self.send_header("Content-Type", "text/plain; version=0.0.4; charset=utf-8")
-                self.send_header("Content-Length", str(len(body)))
-                self.end_headers()
-                self.wfile.write(body)
+                # The sidecar may have given up on a late answer: its write then fails.
+                with contextlib.suppress(OSError):
+                    self.send_response(200)
+                    self.send_header("Content-Type", "text/plain; version=0.0.4; charset=utf-8")
+                    self.send_header("Content-Length", str(len(body)))
+                    self.end_headers()
+                    self.wfile.write(body)
 
             def log_message(self, format: str, *args: Any) -> None:
                 pass
@@ -387,6 +392,46 @@ def test_unreachable_server_is_listed_unhealthy_and_not_routed(
     # Routable again: the proxy now plans a pair and fails only on the static prefill, which
     # nothing serves in this test (a refused connect), instead of refusing for lack of a decode.
     assert completion_error_code(fleet) == (502, "prefill_connect")
+
+
+def test_a_slow_server_keeps_its_last_load_then_is_announced_unhealthy(
+    fleet_factory: FleetFactory,
+    vllm_server: FakeVllmServer,
+    announcers: Starter,
+    tmp_path: Path,
+) -> None:
+    """A busy vLLM's /metrics can take seconds: while its scrapes time out for less than
+    --unhealthy-after, the sidecar announces the last load it read, healthy (the instance keeps
+    its traffic); past that it is announced unhealthy, and healthy again once it answers."""
+    fleet = start_proxy(fleet_factory)
+    load = {"running": 3, "waiting": 1, "kv_usage": 0.25}
+    vllm_server.set_text(vllm_metrics(3, 1, 0.25))
+    args = announce_args(fleet, vllm_server, write_model_config(tmp_path), free_port())
+    sidecar = announcers(*args, "--scrape-timeout", "0.2", "--unhealthy-after", "3")
+    procs = [*fleet.processes(), sidecar]
+    address = vllm_server.http_address
+    wait_instance(fleet, address, lambda i: i is not None and i["load"] == load, "its load", procs)
+
+    scrapes = vllm_server.scrapes
+    vllm_server.delay = 1.0  # five times the scrape timeout
+    slow_since = time.monotonic()
+    while time.monotonic() - slow_since < 2.0:  # well inside --unhealthy-after
+        item = instance(fleet, address)
+        assert item is not None and item["healthy"] is True and item["load"] == load, item
+        time.sleep(0.1)
+    item = wait_instance(
+        fleet, address, lambda i: i is not None and not i["healthy"], "healthy=false", procs
+    )
+    assert item is not None and item["load"] is None
+    # The grace counts from the last scrape that answered, at most an interval before the delay.
+    assert time.monotonic() - slow_since >= 3.0 - float(INTERVAL) - 0.2
+    assert vllm_server.scrapes > scrapes  # it kept trying meanwhile
+
+    vllm_server.delay = 0.0
+    item = wait_instance(
+        fleet, address, lambda i: i is not None and i["healthy"], "healthy again", procs
+    )
+    assert item is not None and item["load"] == load
 
 
 def test_the_context_length_is_learned_from_the_servers_models_list(

@@ -8,6 +8,7 @@ import argparse
 import dataclasses
 import enum
 import logging
+import urllib.error
 from pathlib import Path
 from types import SimpleNamespace
 from typing import Any
@@ -27,7 +28,7 @@ from pdproxy.registry.messages import (
     decode_frame,
     known_fields,
 )
-from pdproxy.vllm_side.announce import add_cli, build_identity
+from pdproxy.vllm_side.announce import add_cli, build_identity, scrape_timed_out
 from pdproxy.vllm_side.announcement import WorkerIdentity, announce_message
 from pdproxy.vllm_side.announcer import DEFAULT_INTERVAL_S, PREFILL_WORK_REPORT_S
 from pdproxy.vllm_side.connector_settings import (
@@ -875,3 +876,19 @@ def test_the_sidecar_refuses_an_unknown_connector_kind(capsys: pytest.CaptureFix
 def test_the_fake_workers_metrics_read_back_as_its_load(load: Load, model: str) -> None:
     # What `pdproxy announce` scrapes from a fake worker is the load the worker holds.
     assert load_from_metrics(fake_worker_metrics(load, model)) == load
+
+
+@pytest.mark.parametrize(
+    ("error", "slow"),
+    [
+        (TimeoutError("timed out"), True),  # no answer in time (urllib raises it raw)
+        (urllib.error.URLError(TimeoutError("timed out")), True),  # no connection in time
+        (urllib.error.URLError(ConnectionRefusedError(111, "refused")), False),
+        (ConnectionResetError(104, "reset"), False),
+        (ValueError("not vLLM's metrics"), False),
+    ],
+)
+def test_only_a_scrape_out_of_time_counts_as_a_slow_server(error: Exception, slow: bool) -> None:
+    """A slow server keeps its last load for a while (MetricsScraper); one that refuses the
+    connection, resets it or answers something else is announced unhealthy at once."""
+    assert scrape_timed_out(error) is slow

@@ -155,7 +155,7 @@ def start_both_setups(
     )
     for server, role in zip(pair, ("P", "D"), strict=True):
         process = announce(
-            server, role, announced.registry_address, vllm_model, work / f"{server.name}.ann"
+            server, role, announced.registry_address, vllm_model, work / f"{server.name}-ann.log"
         )
         stack.callback(process.stop)
         process.start()
