@@ -132,14 +132,21 @@ def test_content_type_is_kept_byte_for_byte() -> None:
     asyncio.run(scenario())
 
 
-def test_request_head_carries_headers_and_length() -> None:
-    seen: list[bytes] = []
+def recording(seen: list[bytes]) -> Handler:
+    """A handler that keeps each request it reads (head and body) and answers `{}`."""
 
     async def record(reader: asyncio.StreamReader, writer: asyncio.StreamWriter) -> None:
         head, body = await read_request(reader)
         seen.append(head + body)
         writer.write(answer(b"{}"))
         await writer.drain()
+
+    return record
+
+
+def test_request_head_carries_headers_and_length() -> None:
+    seen: list[bytes] = []
+    record = recording(seen)
 
     async def scenario() -> None:
         async with Server(record) as server:
@@ -160,12 +167,7 @@ def test_a_header_with_a_line_break_is_never_sent() -> None:
     """A CR or LF in a header's value would end its line early and forge a header of its
     own: the request is refused before any byte goes out, naming the header."""
     seen: list[bytes] = []
-
-    async def record(reader: asyncio.StreamReader, writer: asyncio.StreamWriter) -> None:
-        head, body = await read_request(reader)
-        seen.append(head + body)
-        writer.write(answer(b"{}"))
-        await writer.drain()
+    record = recording(seen)
 
     async def scenario() -> None:
         async with Server(record) as server:
