@@ -12,6 +12,7 @@ import logging
 import zmq
 import zmq.asyncio
 
+from pdproxy.base.tasks import stop_task
 from pdproxy.metrics import Metrics
 from pdproxy.multiworker.shared_state import SharedState, decode
 from pdproxy.registry.control import DrainedSink
@@ -53,11 +54,8 @@ class TableMirror:
         self._task = asyncio.create_task(self._receive_loop(sock), name="table-mirror")
 
     async def stop(self) -> None:
-        if self._task is not None:
-            self._task.cancel()
-            with contextlib.suppress(asyncio.CancelledError):
-                await self._task
-            self._task = None
+        await stop_task(self._task)
+        self._task = None
 
     async def caught_up(self, revision: int, within: float) -> bool:
         """Wait (bounded) until the copy shows the owner's `revision`."""

@@ -7,12 +7,12 @@ prompts by the work the others put on a prefill within milliseconds, not by a ta
 from __future__ import annotations
 
 import asyncio
-import contextlib
 import logging
 
 import zmq
 import zmq.asyncio
 
+from pdproxy.base.tasks import stop_task
 from pdproxy.multiworker.shared_state import WorkReport, decode
 from pdproxy.registry.control import WorkSink
 
@@ -42,11 +42,8 @@ class WorkMirror:
         self._task = asyncio.create_task(self._receive_loop(sock), name="work-mirror")
 
     async def stop(self) -> None:
-        if self._task is not None:
-            self._task.cancel()
-            with contextlib.suppress(asyncio.CancelledError):
-                await self._task
-            self._task = None
+        await stop_task(self._task)
+        self._task = None
 
     def apply(self, report: WorkReport) -> None:
         self._sink.announced_work(report.address, report.prefill_tokens)

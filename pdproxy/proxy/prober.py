@@ -7,10 +7,10 @@ that died, and closes the circuit of a half-open one that answers again.
 from __future__ import annotations
 
 import asyncio
-import contextlib
 import logging
 from collections.abc import Callable
 
+from pdproxy.base.tasks import stop_task
 from pdproxy.http.upstream import Upstream, UpstreamError
 from pdproxy.metrics import Metrics
 from pdproxy.proxy.failures import is_local
@@ -49,11 +49,8 @@ class HealthProber:
             self._task = asyncio.create_task(self._probe_forever(), name="health-prober")
 
     async def stop(self) -> None:
-        if self._task is not None:
-            self._task.cancel()
-            with contextlib.suppress(asyncio.CancelledError):
-                await self._task
-            self._task = None
+        await stop_task(self._task)
+        self._task = None
 
     async def probe_all(self) -> None:
         if self._upstream.congested:
