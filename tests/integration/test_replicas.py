@@ -5,7 +5,8 @@ The replicas are real `pdproxy serve` processes on 127.0.0.1, .2 and .3 (all loo
 one port, as pods behind a headless Service; two fake prefills and two fake decodes announce
 through the name `pdproxy-replicas.test`, which resolves to the three (the test's own table,
 tests.harness.fake_dns, never /etc/hosts), so every replica has the whole fleet. HAProxy
-health-checks each replica's /ready and retries a refused connection on another replica; the
+health-checks each replica's /ready (three failed checks take it out, as a Kubernetes
+readiness probe's default) and retries a refused connection on another replica; the
 load opens one connection per request (as many clients do through an L4 balancer), half of
 them streaming.
 
@@ -96,6 +97,14 @@ class Balancer:
     def set_state(self, server: str, state: str) -> None:
         self.command(f"set server replicas/{server} state {state}")
 
+    def servers_taken_out(self) -> list[str]:
+        """HAProxy's own lines for each replica it took out and why (printed with failures)."""
+        log = self.process.log_path
+        if log is None or not log.exists():
+            return []
+        lines = log.read_text(encoding="utf-8", errors="replace").splitlines()
+        return [line for line in lines if " is DOWN" in line or "no server available" in line]
+
     def server_up(self, server: str) -> bool:
         for line in self.command("show stat").splitlines():
             fields = line.split(",")
@@ -121,7 +130,12 @@ listen replicas
   bind 127.0.0.1:{port}
   balance roundrobin
   option httpchk GET /ready
-  default-server inter 100ms fastinter 100ms downinter 200ms fall 1 rise 2
+  # A replica serving its share of the load can answer /ready late on a loaded machine: one
+  # late answer must not take it out (with `fall 1` and the check timing out at `inter`, all
+  # three were out at once and the balancer closed every new connection). A refused check,
+  # a killed replica, fails at once, so three take 0.3 s; its connections are redispatched.
+  timeout check 2s
+  default-server inter 100ms fastinter 100ms downinter 200ms fall 3 rise 2
 {servers}
 """
 
@@ -312,6 +326,8 @@ def test_a_rolling_restart_loses_nothing(cluster: Cluster) -> None:
     print(f"\nrolling restart of 3 replicas under load: {load.summary()}; exits {exits}")
     for outcome in load.failed()[:10]:
         print("  failed:", outcome.why)
+    if load.failed():
+        print("\n".join(cluster.balancer.servers_taken_out()))
     assert exits == [0, 0, 0]  # each drained and exited cleanly
     assert len(load.outcomes) >= 1500
     assert load.failed() == []
@@ -350,6 +366,8 @@ def test_a_killed_replica_loses_only_what_it_held(cluster: Cluster) -> None:
     )
     for outcome in failed[:10]:
         print(f"  failed ({outcome.started - kill:+.3f}s from the kill):", outcome.why)
+    if after:
+        print("\n".join(cluster.balancer.servers_taken_out()))
     assert len(load.outcomes) >= 1500
     assert after == [], "requests started after the kill failed"
     assert len(failed) <= CONCURRENCY  # at most what was in flight
