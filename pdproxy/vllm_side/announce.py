@@ -10,14 +10,13 @@ forgetting the instance; on SIGTERM or SIGINT it sends `leave`.
 from __future__ import annotations
 
 import argparse
+import http.client
 import json
 import logging
 import os
 import signal
 import sys
 import time
-import urllib.error
-import urllib.request
 from collections.abc import Callable, Mapping
 from pathlib import Path
 from types import FrameType
@@ -38,6 +37,7 @@ from pdproxy.registry.messages import (
 )
 from pdproxy.vllm_side.announcement import WorkerIdentity, context_length
 from pdproxy.vllm_side.announcer import DEFAULT_INTERVAL_S, Announcer, LoadSample
+from pdproxy.vllm_side.bounded_get import get_within
 from pdproxy.vllm_side.fanout import FanOutClient, announce_resolver
 from pdproxy.vllm_side.model_config import ModelConfigError, geometry_from_model_config
 from pdproxy.vllm_side.vllm_metrics import MetricsFormatError, load_from_metrics
@@ -76,10 +76,9 @@ class MetricsScraper:
 
     def __call__(self) -> LoadSample:
         try:
-            with urllib.request.urlopen(self._url, timeout=self._timeout) as response:
-                text = response.read(MAX_METRICS_BYTES).decode("utf-8", "replace")
-            sample = LoadSample(load_from_metrics(text))
-        except (OSError, urllib.error.URLError, MetricsFormatError, ValueError) as exc:
+            page = get_within(self._url, self._timeout, MAX_METRICS_BYTES)
+            sample = LoadSample(load_from_metrics(page.decode("utf-8", "replace")))
+        except (OSError, http.client.HTTPException, MetricsFormatError, ValueError) as exc:
             sample = self._failed(exc)
         else:
             self._last, self._last_at = sample, self._clock()
@@ -112,8 +111,7 @@ class MetricsScraper:
 
 def scrape_timed_out(exc: Exception) -> bool:
     """A scrape that ran out of time (the server is there but slow), not a refusal."""
-    reason = exc.reason if isinstance(exc, urllib.error.URLError) else exc
-    return isinstance(reason, TimeoutError)
+    return isinstance(exc, TimeoutError)
 
 
 def context_length_from_models(body: bytes, model: str | None) -> int | None:
@@ -154,9 +152,8 @@ class ContextLengthProbe:
 
     def _fetch(self) -> int | None:
         try:
-            with urllib.request.urlopen(self._url, timeout=self._timeout) as response:
-                body = response.read(MAX_MODELS_BYTES)
-        except (OSError, urllib.error.URLError, ValueError) as exc:
+            body = get_within(self._url, self._timeout, MAX_MODELS_BYTES)
+        except (OSError, http.client.HTTPException, ValueError) as exc:
             log.debug("%s: %s", self._url, exc)
             return None
         return context_length_from_models(body, self._model)

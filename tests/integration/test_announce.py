@@ -35,6 +35,7 @@ from tests.integration.support import post_json
 
 MODEL = "tiny-llama"
 INTERVAL = "0.2"
+TRICKLE_PIECES = 20
 WAIT = 10.0  # bound on every poll; the behaviour itself takes a few intervals
 
 # A small Llama: 4 layers, 2 KV heads of 256 / 8 = 32 dims, float16 weights.
@@ -96,8 +97,9 @@ vllm:e2e_request_latency_seconds_sum{{{labels}}} 4.5
 
 class FakeVllmServer:
     """GET /metrics answers whatever text the test set last, `delay` seconds late (a busy
-    vLLM's API server), GET /v1/models the model list it set (404 until then); stop() closes
-    the port (so the sidecar's scrape is refused) and start() opens the same port again."""
+    vLLM's API server), or in TRICKLE_PIECES pieces `trickle` seconds apart; GET /v1/models
+    the model list it set (404 until then); stop() closes the port (so the sidecar's scrape is
+    refused) and start() opens the same port again."""
 
     def __init__(self, port: int) -> None:
         self.port = port
@@ -105,6 +107,7 @@ class FakeVllmServer:
         self._lock = threading.Lock()
         self.scrapes = 0
         self.delay = 0.0
+        self.trickle = 0.0
         self.models: dict[str, Any] | None = None
         self._server: ThreadingHTTPServer | None = None
         self._thread: threading.Thread | None = None
@@ -141,7 +144,11 @@ class FakeVllmServer:
                     self.send_header("Content-Type", "text/plain; version=0.0.4; charset=utf-8")
                     self.send_header("Content-Length", str(len(body)))
                     self.end_headers()
-                    self.wfile.write(body)
+                    step = len(body) // TRICKLE_PIECES + 1 if owner.trickle else len(body)
+                    for start in range(0, len(body), step):
+                        self.wfile.write(body[start : start + step])
+                        self.wfile.flush()
+                        time.sleep(owner.trickle)
 
             def log_message(self, format: str, *args: Any) -> None:
                 pass
@@ -432,6 +439,39 @@ def test_a_slow_server_keeps_its_last_load_then_is_announced_unhealthy(
         fleet, address, lambda i: i is not None and i["healthy"], "healthy again", procs
     )
     assert item is not None and item["load"] == load
+
+
+def test_a_server_trickling_its_metrics_keeps_being_announced_every_period(
+    fleet_factory: FleetFactory,
+    vllm_server: FakeVllmServer,
+    announcers: Starter,
+    tmp_path: Path,
+) -> None:
+    """A busy vLLM can send its /metrics page a piece at a time: each piece in time for a
+    per-read timeout, the whole page seconds late. The scrape ends at --scrape-timeout, so the
+    announcements keep their period and the registry (TTL 1.5 s here) keeps the instance, with
+    the last load it read."""
+    fleet = fleet_factory(
+        [],
+        proxy_args=["--ttl", "1.5", "--prefill", static_prefill(), "--allow-unknown-geometry"],
+    )
+    load = {"running": 2, "waiting": 0, "kv_usage": 0.5}
+    vllm_server.set_text(vllm_metrics(2, 0, 0.5))
+    args = announce_args(fleet, vllm_server, write_model_config(tmp_path), free_port())
+    sidecar = announcers(*args, "--scrape-timeout", "0.3", "--unhealthy-after", "30")
+    procs = [*fleet.processes(), sidecar]
+    address = vllm_server.http_address
+    wait_instance(fleet, address, lambda i: i is not None and i["load"] == load, "its load", procs)
+
+    scrapes = vllm_server.scrapes
+    vllm_server.trickle = 0.2  # 20 pieces: 4 s a page, against the 0.3 s a scrape may take
+    trickling_since = time.monotonic()
+    while time.monotonic() - trickling_since < 4.0:  # over twice the TTL
+        item = instance(fleet, address)
+        assert item is not None, "the registry expired the instance: its sidecar went silent"
+        assert item["healthy"] is True and item["load"] == load, item
+        time.sleep(0.1)
+    assert vllm_server.scrapes >= scrapes + 4  # it kept scraping, each cut off at its deadline
 
 
 def test_the_context_length_is_learned_from_the_servers_models_list(

@@ -7,8 +7,8 @@ from __future__ import annotations
 import argparse
 import dataclasses
 import enum
+import http.client
 import logging
-import urllib.error
 from pathlib import Path
 from types import SimpleNamespace
 from typing import Any
@@ -31,6 +31,7 @@ from pdproxy.registry.messages import (
 from pdproxy.vllm_side.announce import add_cli, build_identity, scrape_timed_out
 from pdproxy.vllm_side.announcement import WorkerIdentity, announce_message
 from pdproxy.vllm_side.announcer import DEFAULT_INTERVAL_S, PREFILL_WORK_REPORT_S
+from pdproxy.vllm_side.bounded_get import HttpStatusError
 from pdproxy.vllm_side.connector_settings import (
     DEFAULT_KV_PORT,
     HOST_CONFIGURED,
@@ -881,10 +882,11 @@ def test_the_fake_workers_metrics_read_back_as_its_load(load: Load, model: str) 
 @pytest.mark.parametrize(
     ("error", "slow"),
     [
-        (TimeoutError("timed out"), True),  # no answer in time (urllib raises it raw)
-        (urllib.error.URLError(TimeoutError("timed out")), True),  # no connection in time
-        (urllib.error.URLError(ConnectionRefusedError(111, "refused")), False),
+        (TimeoutError("no whole answer within 2s"), True),  # connect, wait or body too slow
+        (ConnectionRefusedError(111, "refused"), False),
         (ConnectionResetError(104, "reset"), False),
+        (http.client.RemoteDisconnected("closed without an answer"), False),
+        (HttpStatusError("HTTP 503"), False),
         (ValueError("not vLLM's metrics"), False),
     ],
 )

@@ -1,0 +1,66 @@
+"""One GET whose whole exchange, from connect to the last byte, fits a deadline.
+
+urllib's timeout bounds each socket operation, not the exchange: a busy vLLM that sends its
+/metrics page a piece at a time kept one scrape going for tens of seconds, and the sidecar,
+which announces between scrapes, went silent long enough for the registry to expire a healthy
+instance.
+"""
+
+from __future__ import annotations
+
+import http.client
+import time
+from collections.abc import Callable
+from urllib.parse import urlsplit
+
+READ_CHUNK = 64 * 1024
+
+
+class HttpStatusError(ValueError):
+    """The server answered, with a status other than 2xx."""
+
+
+def get_within(
+    url: str, timeout_s: float, limit: int, clock: Callable[[], float] = time.monotonic
+) -> bytes:
+    """The body of `url`'s 2xx answer, its first `limit` bytes. Raises TimeoutError when the
+    exchange is not over within `timeout_s`; OSError or http.client.HTTPException when the
+    connection fails; HttpStatusError for another status; ValueError for a URL that is not
+    http(s)."""
+    parts = urlsplit(url)
+    if parts.scheme not in ("http", "https") or not parts.hostname:
+        raise ValueError(f"not an http(s) URL: {url!r}")
+    deadline = clock() + timeout_s
+    kind = http.client.HTTPSConnection if parts.scheme == "https" else http.client.HTTPConnection
+    connection = kind(parts.hostname, parts.port, timeout=timeout_s)
+    target = (parts.path or "/") + (f"?{parts.query}" if parts.query else "")
+    try:
+        connection.request("GET", target)
+        _time_left(connection, deadline, timeout_s, clock)
+        response = connection.getresponse()
+        if not 200 <= response.status < 300:
+            raise HttpStatusError(f"{url}: HTTP {response.status}")
+        body = bytearray()
+        while len(body) < limit:
+            _time_left(connection, deadline, timeout_s, clock)
+            chunk = response.read1(min(READ_CHUNK, limit - len(body)))
+            if not chunk:
+                break
+            body += chunk
+        return bytes(body)
+    finally:
+        connection.close()
+
+
+def _time_left(
+    connection: http.client.HTTPConnection,
+    deadline: float,
+    timeout_s: float,
+    clock: Callable[[], float],
+) -> None:
+    """Give the socket's next wait what is left of the exchange's time."""
+    left = deadline - clock()
+    if left <= 0:
+        raise TimeoutError(f"no whole answer within {timeout_s:g}s")
+    if connection.sock is not None:
+        connection.sock.settimeout(left)
