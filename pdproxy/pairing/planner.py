@@ -318,11 +318,14 @@ class Planner:
         allow_unknown_geometry: bool = False,
         kv_capacity_tokens: int = DEFAULT_KV_CAPACITY_TOKENS,
         instance_cap: int = 0,
+        first_ticket: int = 0,
     ) -> None:
         if kv_capacity_tokens < 1:
             raise ValueError("kv_capacity_tokens must be at least 1")
         if instance_cap < 0:
             raise ValueError("instance_cap must not be negative")
+        if first_ticket < 0:
+            raise ValueError("first_ticket must not be negative")
         self.prefill_policy = prefill_policy
         self.decode_policy = decode_policy
         self.inflight = InFlight()
@@ -336,8 +339,8 @@ class Planner:
         self._kv_capacity_tokens = kv_capacity_tokens
         self._instance_cap = instance_cap
         self._full: frozenset[str] = frozenset()
-        self._prefill_ticket = 0
-        self._decode_ticket = 0
+        self._prefill_ticket = first_ticket
+        self._decode_ticket = first_ticket
         self._index: FleetIndex | None = None
         self._index_source: tuple[Snapshot, frozenset[str]] | None = None
 

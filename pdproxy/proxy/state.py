@@ -45,8 +45,10 @@ class AppState:
 
 
 def planner_from(settings: Settings) -> Planner:
-    # Seeds of this process's own: replicas (and workers) that share a seed draw the same
-    # candidates for the same tickets, all at once, and herd onto the same instances.
+    # Seeds and a first ticket of this process's own: replicas (and workers) that share them
+    # draw the same candidates for the same tickets, all at once, and herd onto the same
+    # instances (round robin from 0 in every replica sends each one's first request to the
+    # first instance).
     return Planner(
         make_policy(
             settings.prefill_policy,
@@ -57,6 +59,7 @@ def planner_from(settings: Settings) -> Planner:
         allow_unknown_geometry=settings.allow_unknown_geometry,
         kv_capacity_tokens=settings.decode_kv_capacity_tokens,
         instance_cap=settings.instance_max_inflight,
+        first_ticket=secrets.randbits(32),
     )
 
 

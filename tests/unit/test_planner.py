@@ -175,6 +175,19 @@ def test_spread_round_robin_is_even_per_role_and_per_pair(n_prefill: int, n_deco
     assert set(by_pair.values()) == {plans // (n_prefill * n_decode)}
 
 
+@pytest.mark.parametrize("spread", [False, True])
+def test_a_first_ticket_starts_both_rotations_that_far_in(spread: bool) -> None:
+    fleet = snap((p(1), p(2), p(3)), (d(1), d(2)))
+    from_zero = pairs(Planner(RoundRobin(), RoundRobin(), spread_pairs=spread), fleet, "m", 40)
+    later = Planner(RoundRobin(), RoundRobin(), spread_pairs=spread, first_ticket=7)
+    assert pairs(later, fleet, "m", 33) == from_zero[7:]
+
+
+def test_a_negative_first_ticket_is_refused() -> None:
+    with pytest.raises(ValueError, match="first_ticket"):
+        Planner(RoundRobin(), RoundRobin(), first_ticket=-1)
+
+
 def test_prefill_and_decode_tickets_are_independent() -> None:
     # 2 prefills and 3 decodes: the two cursors turn at their own pace, so six plans visit all
     # six combinations and every plan after that repeats them.

@@ -15,6 +15,7 @@ from __future__ import annotations
 import bisect
 import hashlib
 import random
+import secrets
 from collections import Counter
 from collections.abc import Callable
 
@@ -1164,6 +1165,31 @@ def test_a_replica_with_a_third_of_the_legs_bounds_like_one_proxy_with_all() -> 
             assert policy.choose(replica, request, 0).name == choice.name, (key, tokens)
             spilled += choice.name != home_of(unreported, key).name
     assert spilled > 20  # the bound is what decides, not only the ring
+
+
+def test_each_planner_built_for_serving_starts_its_round_robin_at_its_own_ticket(
+    monkeypatch: pytest.MonkeyPatch,
+) -> None:
+    """Replicas that all started at ticket 0 would all send their first request to the first
+    instance: each planner starts at a number drawn for it."""
+    draws = iter(range(1000, 1100))
+    monkeypatch.setattr(secrets, "randbits", lambda bits: next(draws))
+    settings = Settings(prefill_policy="round_robin", decode_policy="round_robin")
+    fleet = Snapshot(1, tuple(p(i) for i in range(10)), tuple(d(i) for i in range(10)))
+
+    def first_prefill(planner: Planner) -> str:
+        plan = planner.plan(fleet, NO_PREFIX)
+        assert isinstance(plan, Pair)
+        return plan.prefill.name
+
+    firsts = [first_prefill(planner_from(settings)) for _ in range(3)]
+    # Each planner draws two seeds, then its first ticket: 1002, 1005, 1008.
+    expected = [
+        first_prefill(Planner(RoundRobin(), RoundRobin(), first_ticket=ticket))
+        for ticket in (1002, 1005, 1008)
+    ]
+    assert firsts == expected
+    assert len(set(firsts)) == 3
 
 
 def test_each_planner_built_for_serving_draws_its_own_power_of_two_sequence() -> None:
