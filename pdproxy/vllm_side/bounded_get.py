@@ -1,8 +1,8 @@
 """One GET whose whole exchange, from connect to the last byte, fits a deadline.
 
-urllib's timeout bounds each socket operation, not the exchange: a busy vLLM that sends its
-/metrics page a piece at a time kept one scrape going for tens of seconds, and the sidecar,
-which announces between scrapes, went silent long enough for the registry to expire a healthy
+urllib's timeout bounds each socket operation, not the exchange: a server that sends its
+/metrics page a piece at a time, each piece in time, keeps one scrape going without end, and
+the sidecar, which announces between scrapes, goes silent until the registry expires a healthy
 instance.
 """
 

@@ -447,8 +447,8 @@ def test_a_server_trickling_its_metrics_keeps_being_announced_every_period(
     announcers: Starter,
     tmp_path: Path,
 ) -> None:
-    """A busy vLLM can send its /metrics page a piece at a time: each piece in time for a
-    per-read timeout, the whole page seconds late. The scrape ends at --scrape-timeout, so the
+    """A server that sends its /metrics page a piece at a time, each piece in time for a
+    per-read timeout, has the whole page seconds late. The scrape ends at --scrape-timeout, so the
     announcements keep their period and the registry (TTL 1.5 s here) keeps the instance, with
     the last load it read."""
     fleet = fleet_factory(
