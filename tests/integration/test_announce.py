@@ -401,6 +401,24 @@ def test_unreachable_server_is_listed_unhealthy_and_not_routed(
     assert completion_error_code(fleet) == (502, "prefill_connect")
 
 
+def listed_with_load(
+    fleet: LocalFleet,
+    server: FakeVllmServer,
+    announcers: Starter,
+    tmp_path: Path,
+    sidecar_args: tuple[str, ...],
+) -> tuple[dict[str, Any], list[ManagedProcess]]:
+    """A sidecar (with `sidecar_args`) announcing the fake server's load, until the proxy lists
+    that load: the load, and the processes whose logs a failed wait shows."""
+    load = {"running": 3, "waiting": 1, "kv_usage": 0.25}
+    server.set_text(vllm_metrics(3, 1, 0.25))
+    args = announce_args(fleet, server, write_model_config(tmp_path), free_port())
+    procs = [*fleet.processes(), announcers(*args, *sidecar_args)]
+    address = server.http_address
+    wait_instance(fleet, address, lambda i: i is not None and i["load"] == load, "its load", procs)
+    return load, procs
+
+
 def test_a_slow_server_keeps_its_last_load_then_is_announced_unhealthy(
     fleet_factory: FleetFactory,
     vllm_server: FakeVllmServer,
@@ -411,13 +429,9 @@ def test_a_slow_server_keeps_its_last_load_then_is_announced_unhealthy(
     --unhealthy-after, the sidecar announces the last load it read, healthy (the instance keeps
     its traffic); past that it is announced unhealthy, and healthy again once it answers."""
     fleet = start_proxy(fleet_factory)
-    load = {"running": 3, "waiting": 1, "kv_usage": 0.25}
-    vllm_server.set_text(vllm_metrics(3, 1, 0.25))
-    args = announce_args(fleet, vllm_server, write_model_config(tmp_path), free_port())
-    sidecar = announcers(*args, "--scrape-timeout", "0.2", "--unhealthy-after", "3")
-    procs = [*fleet.processes(), sidecar]
+    sidecar_args = ("--scrape-timeout", "0.2", "--unhealthy-after", "3")
+    load, procs = listed_with_load(fleet, vllm_server, announcers, tmp_path, sidecar_args)
     address = vllm_server.http_address
-    wait_instance(fleet, address, lambda i: i is not None and i["load"] == load, "its load", procs)
 
     scrapes = vllm_server.scrapes
     vllm_server.delay = 1.0  # five times the scrape timeout
@@ -455,13 +469,9 @@ def test_a_server_trickling_its_metrics_keeps_being_announced_every_period(
         [],
         proxy_args=["--ttl", "1.5", "--prefill", static_prefill(), "--allow-unknown-geometry"],
     )
-    load = {"running": 2, "waiting": 0, "kv_usage": 0.5}
-    vllm_server.set_text(vllm_metrics(2, 0, 0.5))
-    args = announce_args(fleet, vllm_server, write_model_config(tmp_path), free_port())
-    sidecar = announcers(*args, "--scrape-timeout", "0.3", "--unhealthy-after", "30")
-    procs = [*fleet.processes(), sidecar]
+    sidecar_args = ("--scrape-timeout", "0.3", "--unhealthy-after", "30")
+    load, _ = listed_with_load(fleet, vllm_server, announcers, tmp_path, sidecar_args)
     address = vllm_server.http_address
-    wait_instance(fleet, address, lambda i: i is not None and i["load"] == load, "its load", procs)
 
     scrapes = vllm_server.scrapes
     vllm_server.trickle = 0.2  # 20 pieces: 4 s a page, against the 0.3 s a scrape may take
