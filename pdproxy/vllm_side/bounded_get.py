@@ -10,7 +10,6 @@ from __future__ import annotations
 
 import http.client
 import time
-from collections.abc import Callable
 from urllib.parse import urlsplit
 
 READ_CHUNK = 64 * 1024
@@ -20,9 +19,7 @@ class HttpStatusError(ValueError):
     """The server answered, with a status other than 2xx."""
 
 
-def get_within(
-    url: str, timeout_s: float, limit: int, clock: Callable[[], float] = time.monotonic
-) -> bytes:
+def get_within(url: str, timeout_s: float, limit: int) -> bytes:
     """The body of `url`'s 2xx answer, its first `limit` bytes. Raises TimeoutError when the
     exchange is not over within `timeout_s`; OSError or http.client.HTTPException when the
     connection fails; HttpStatusError for another status; ValueError for a URL that is not
@@ -30,19 +27,19 @@ def get_within(
     parts = urlsplit(url)
     if parts.scheme not in ("http", "https") or not parts.hostname:
         raise ValueError(f"not an http(s) URL: {url!r}")
-    deadline = clock() + timeout_s
+    deadline = time.monotonic() + timeout_s
     kind = http.client.HTTPSConnection if parts.scheme == "https" else http.client.HTTPConnection
     connection = kind(parts.hostname, parts.port, timeout=timeout_s)
     target = (parts.path or "/") + (f"?{parts.query}" if parts.query else "")
     try:
         connection.request("GET", target)
-        _time_left(connection, deadline, timeout_s, clock)
+        _time_left(connection, deadline, timeout_s)
         response = connection.getresponse()
         if not 200 <= response.status < 300:
             raise HttpStatusError(f"{url}: HTTP {response.status}")
         body = bytearray()
         while len(body) < limit:
-            _time_left(connection, deadline, timeout_s, clock)
+            _time_left(connection, deadline, timeout_s)
             chunk = response.read1(min(READ_CHUNK, limit - len(body)))
             if not chunk:
                 break
@@ -52,14 +49,9 @@ def get_within(
         connection.close()
 
 
-def _time_left(
-    connection: http.client.HTTPConnection,
-    deadline: float,
-    timeout_s: float,
-    clock: Callable[[], float],
-) -> None:
+def _time_left(connection: http.client.HTTPConnection, deadline: float, timeout_s: float) -> None:
     """Give the socket's next wait what is left of the exchange's time."""
-    left = deadline - clock()
+    left = deadline - time.monotonic()
     if left <= 0:
         raise TimeoutError(f"no whole answer within {timeout_s:g}s")
     if connection.sock is not None:
