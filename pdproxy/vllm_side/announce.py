@@ -10,7 +10,6 @@ forgetting the instance; on SIGTERM or SIGINT it sends `leave`.
 from __future__ import annotations
 
 import argparse
-import http.client
 import json
 import logging
 import os
@@ -78,7 +77,7 @@ class MetricsScraper:
         try:
             page = get_within(self._url, self._timeout, MAX_METRICS_BYTES)
             sample = LoadSample(load_from_metrics(page.decode("utf-8", "replace")))
-        except (OSError, http.client.HTTPException, MetricsFormatError, ValueError) as exc:
+        except (OSError, MetricsFormatError, ValueError) as exc:
             sample = self._failed(exc)
         else:
             self._last, self._last_at = sample, self._clock()
@@ -153,7 +152,7 @@ class ContextLengthProbe:
     def _fetch(self) -> int | None:
         try:
             body = get_within(self._url, self._timeout, MAX_MODELS_BYTES)
-        except (OSError, http.client.HTTPException, ValueError) as exc:
+        except (OSError, ValueError) as exc:
             log.debug("%s: %s", self._url, exc)
             return None
         return context_length_from_models(body, self._model)

@@ -19,11 +19,16 @@ class HttpStatusError(ValueError):
     """The server answered, with a status other than 2xx."""
 
 
+class MalformedAnswer(ValueError):
+    """What the server sent is not an HTTP answer (or was cut short)."""
+
+
 def get_within(url: str, timeout_s: float, limit: int) -> bytes:
     """The body of `url`'s 2xx answer, its first `limit` bytes. Raises TimeoutError when the
-    exchange is not over within `timeout_s`; OSError or http.client.HTTPException when the
-    connection fails; HttpStatusError for another status; ValueError for a URL that is not
-    http(s)."""
+    exchange is not over within `timeout_s`; OSError when the connection fails; HttpStatusError
+    for another status; MalformedAnswer for what is not HTTP; ValueError for a URL that is not
+    http(s). The one place http.client's errors are mapped: callers catch OSError and
+    ValueError."""
     parts = urlsplit(url)
     if parts.scheme not in ("http", "https") or not parts.hostname:
         raise ValueError(f"not an http(s) URL: {url!r}")
@@ -42,9 +47,15 @@ def get_within(url: str, timeout_s: float, limit: int) -> bytes:
             _time_left(connection, deadline, timeout_s)
             chunk = response.read1(min(READ_CHUNK, limit - len(body)))
             if not chunk:
+                if response.length:  # read1 ends a body cut short quietly
+                    raise MalformedAnswer(f"{url}: the answer ended {response.length} bytes short")
                 break
             body += chunk
         return bytes(body)
+    except OSError:
+        raise  # a refused, reset or timed-out connection (RemoteDisconnected among them)
+    except http.client.HTTPException as exc:
+        raise MalformedAnswer(f"{url}: {exc!r}") from exc
     finally:
         connection.close()
 

@@ -14,7 +14,7 @@ from typing import Any
 import pytest
 
 from pdproxy.demo.processes import LOOPBACK, free_port
-from pdproxy.vllm_side.bounded_get import HttpStatusError, get_within
+from pdproxy.vllm_side.bounded_get import HttpStatusError, MalformedAnswer, get_within
 
 PAGE = b"".join(b"vllm:num_requests_running %d\n" % n for n in range(200))
 PIECES = 20
@@ -111,6 +111,29 @@ def test_a_server_that_never_answers_times_out() -> None:
         listener.listen(1)  # the connection is queued, never read nor answered
         with pytest.raises(TimeoutError):
             get_within(f"http://{LOOPBACK}:{listener.getsockname()[1]}/metrics", 0.3, 1024)
+
+
+@pytest.mark.parametrize(
+    "answer", [b"not http at all\r\n\r\n", b"HTTP/1.1 200 OK\r\nContent-Length: 50\r\n\r\nshort"]
+)
+def test_what_is_not_a_whole_http_answer_is_malformed(answer: bytes) -> None:
+    with socket.socket() as listener:
+        listener.bind((LOOPBACK, 0))
+        listener.listen(1)
+
+        def answer_once() -> None:
+            connection, _ = listener.accept()
+            with connection:
+                connection.recv(65536)
+                connection.sendall(answer)
+
+        thread = threading.Thread(target=answer_once)
+        thread.start()
+        try:
+            with pytest.raises(MalformedAnswer):
+                get_within(f"http://{LOOPBACK}:{listener.getsockname()[1]}/metrics", 5.0, 1024)
+        finally:
+            thread.join(5)
 
 
 def test_another_status_is_an_error_naming_it(page_server: PageServer) -> None:
