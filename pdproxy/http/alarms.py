@@ -21,6 +21,7 @@ from __future__ import annotations
 import asyncio
 import heapq
 import math
+from collections.abc import Callable
 from typing import Protocol
 
 FINE_SLOTS_PER_SECOND = 100
@@ -39,17 +40,16 @@ class Alarm(Protocol):
 class Alarms:
     """Slots of alarms on one event loop, and the one loop timer for the earliest slot."""
 
-    __slots__ = ("_armed", "_handle", "_keys", "_loop", "_slots")
+    __slots__ = ("_armed", "_handle", "_keys", "_loop", "_slots", "time")
 
     def __init__(self, loop: asyncio.AbstractEventLoop) -> None:
         self._loop = loop
+        # The loop's clock itself, not a method calling it: read by every Deadline made.
+        self.time: Callable[[], float] = loop.time
         self._slots: dict[int, dict[Alarm, None]] = {}
         self._keys: list[int] = []  # heap of the keys of `_slots`
         self._handle: asyncio.TimerHandle | None = None
         self._armed = 0  # the slot the loop timer is set for (while `_handle` is set)
-
-    def time(self) -> float:
-        return self._loop.time()
 
     @staticmethod
     def slot_of(when: float) -> int:
@@ -65,7 +65,7 @@ class Alarms:
         schedules later (as a timer armed for the past would not), and cannot be removed: the
         alarm must ignore a ring for a slot it has left."""
         now = self._loop.time()
-        key = self.slot_of(when)
+        key = math.ceil(when * FINE_SLOTS_PER_SECOND)  # slot_of(when), without the call
         if when <= now:
             self._loop.call_soon(alarm.ring, key)
             return key

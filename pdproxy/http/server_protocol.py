@@ -656,8 +656,9 @@ class _Cycle:
     # -- the client side ---------------------------------------------------------------------
 
     def wake(self) -> None:
-        waiters, self._waiters = self._waiters, []
-        _release(waiters)
+        if self._waiters:  # nearly always empty: the body came with the head
+            waiters, self._waiters = self._waiters, []
+            _release(waiters)
 
     def client_left(self) -> None:
         if self.complete:

@@ -176,20 +176,24 @@ class _Connection(asyncio.Protocol):
 
     # -- the exchange ------------------------------------------------------------------------
 
-    def send(self, head: bytes, body: bytes | None) -> None:
+    async def request(self, head: bytes, body: bytes | None) -> None:
+        """Send a request and wait for its answer's status and headers; on any failure (a
+        cancellation too) the connection is closed."""
         assert self._transport is not None
-        self._in_exchange = True
-        self.sent_at = self._loop.time()
-        if body:
-            self._transport.writelines((head, body))
-        else:
-            self._transport.write(head)
-
-    async def wait_headers(self) -> None:
-        while not self._headers_done:
-            await self._wait()
-            if self._error is not None:
-                raise self._error  # also when the head came in the same read as the failure
+        try:
+            self._in_exchange = True
+            self.sent_at = self._loop.time()
+            if body:
+                self._transport.writelines((head, body))
+            else:
+                self._transport.write(head)
+            while not self._headers_done:
+                await self._wait()
+                if self._error is not None:
+                    raise self._error  # also when the head came in the same read as the failure
+        except BaseException:
+            self.close()
+            raise
 
     async def next_chunk(self) -> bytes:
         # The caller is done with the piece it had (a relay wrote it to its client, whose own
@@ -437,7 +441,8 @@ class Upstream:
         stale: UpstreamError | None = None
         if pooled is not None:
             try:
-                return await self._send(pooled, head, body)
+                await pooled.request(head, body)
+                return pooled
             except UpstreamError as exc:
                 # A pooled connection the instance closed meanwhile fails at once, before any
                 # byte of answer: the request was never seen, so a fresh connection may carry it.
@@ -446,23 +451,14 @@ class Upstream:
                 stale = exc
         connection = await self._connect(address, loop)
         try:
-            return await self._send(connection, head, body)
+            await connection.request(head, body)
+            return connection
         except UpstreamError as exc:
             if stale is None:
                 raise
             raise UpstreamError(
                 exc.kind, f"{exc.detail} (retried after a pooled connection failed: {stale})"
             ) from None
-
-    @staticmethod
-    async def _send(connection: _Connection, head: bytes, body: bytes | None) -> _Connection:
-        try:
-            connection.send(head, body)
-            await connection.wait_headers()
-        except BaseException:
-            connection.close()
-            raise
-        return connection
 
     async def _connect(self, address: HostPort, loop: asyncio.AbstractEventLoop) -> _Connection:
         try:

@@ -20,8 +20,8 @@ import asyncio
 import logging
 import random
 import time
-from collections.abc import Awaitable, Callable
-from typing import Any, TypeVar
+from collections.abc import Callable
+from typing import Any
 
 from pdproxy.base.roles import Role
 from pdproxy.config import Settings
@@ -69,7 +69,6 @@ from pdproxy.tracing.spans import RequestTrace, Tracing
 log = logging.getLogger("pdproxy.dispatch")
 
 _ERROR_SNIPPET = 300
-_T = TypeVar("_T")
 
 
 def _random_uid() -> Callable[[], str]:
@@ -328,9 +327,8 @@ class Dispatcher:
                 decode_params = None
             if lease.connector in self._decode_beside_prefill:
                 notes.concurrent = True
-                await self._forgetting_on_failure(
-                    prefill.instance,
-                    self._both_legs(
+                try:
+                    await self._both_legs(
                         prefill,
                         decode,
                         request,
@@ -338,8 +336,10 @@ class Dispatcher:
                         (leg_params, decode_params),
                         exchange,
                         trace,
-                    ),
-                )
+                    )
+                except LegFailed:
+                    self._forget_engine_id(prefill.instance)
+                    raise
                 return
             with trace.leg(Role.PREFILL, prefill.instance.name) as span:
                 answer = await self._prefill(
@@ -356,10 +356,13 @@ class Dispatcher:
             prefill.succeeded()
             with trace.leg(Role.DECODE, decode.instance.name) as span:
                 body = request.decode_body(decode_params)
-                refused = await self._forgetting_on_failure(
-                    prefill.instance,
-                    self._decode(decode, body, request, headers | span, exchange, exchange.task),
-                )
+                try:
+                    refused = await self._decode(
+                        decode, body, request, headers | span, exchange, exchange.task
+                    )
+                except LegFailed:
+                    self._forget_engine_id(prefill.instance)
+                    raise
             if refused:
                 self._metrics.kv_orphaned.labels(DECODE_REFUSED).inc()
 
@@ -376,17 +379,13 @@ class Dispatcher:
                 raise prefill.failed(FailureKind.BOOTSTRAP_QUERY, str(exc)) from None
         return mooncake_decode_params(uid, bootstrap, engine_id)
 
-    async def _forgetting_on_failure(self, prefill: Instance, legs: Awaitable[_T]) -> _T:
-        """`legs`' result; when they failed and `prefill` is a mooncake prefill, its cached
-        engine id is forgotten, so the next attempt asks its bootstrap server again (a
-        restarted prefill is another engine, and a decode given the old id cannot pull)."""
-        try:
-            return await legs
-        except LegFailed:
-            bootstrap = _bootstrap_of(prefill)
-            if bootstrap is not None:
-                self._engine_ids.forget(bootstrap)
-            raise
+    def _forget_engine_id(self, prefill: Instance) -> None:
+        """After a pair's legs failed: a mooncake prefill's cached engine id is forgotten, so
+        the next attempt asks its bootstrap server again (a restarted prefill is another
+        engine, and a decode given the old id cannot pull)."""
+        bootstrap = _bootstrap_of(prefill)
+        if bootstrap is not None:
+            self._engine_ids.forget(bootstrap)
 
     async def _both_legs(
         self,

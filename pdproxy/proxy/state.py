@@ -7,6 +7,7 @@ import asyncio
 import secrets
 from collections.abc import Callable
 from dataclasses import dataclass
+from functools import partial
 
 from pdproxy import __version__
 from pdproxy.config import Settings
@@ -77,7 +78,7 @@ async def build_state(
 ) -> AppState:
     # First: it is the one part that may fail to build, and nothing is bound yet.
     random_hex = RandomHex()  # built here, after any fork: processes must not share its bytes
-    tracing = build_tracing(settings.otel_exporter, lambda: random_hex.hex(8))
+    tracing = build_tracing(settings.otel_exporter, partial(random_hex.hex, 8))
     metrics = Metrics(shared_dir=registry_side.shared_metrics_dir)
     table = registry_side.make_table(settings, metrics, clock)
     upstream = Upstream(
@@ -100,7 +101,7 @@ async def build_state(
     )
     alarms = Alarms(asyncio.get_running_loop())
     dispatcher = Dispatcher(
-        settings, rotation, upstream, metrics, tracing, alarms, new_uid=lambda: random_hex.hex(16)
+        settings, rotation, upstream, metrics, tracing, alarms, new_uid=partial(random_hex.hex, 16)
     )
     prober = HealthProber(
         settings.health_check_interval,
