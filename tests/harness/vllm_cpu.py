@@ -11,13 +11,10 @@ Every server runs in its own session and is stopped by PID, also when starting i
 from __future__ import annotations
 
 import contextlib
-import getpass
 import hashlib
 import json
 import os
-import shutil
 import subprocess
-import tempfile
 import time
 from collections.abc import Iterator, Sequence
 from contextlib import ExitStack, contextmanager
@@ -37,8 +34,6 @@ STOP_GRACE_S = 10.0
 MODEL_WRITE_TIMEOUT_S = 120.0
 MAX_MODEL_LEN = 2048
 KV_CACHE_BYTES = 64 * 1024 * 1024  # the tiny model needs 1 KiB per token: 64 Ki tokens
-# Torch's own default for its compile cache (it derives it from the temp directory).
-INDUCTOR_CACHE = os.path.join(tempfile.gettempdir(), f"torchinductor_{getpass.getuser()}")
 
 KvRole = Literal["kv_producer", "kv_consumer", "kv_both"]
 
@@ -105,9 +100,6 @@ class VllmServer:
     engine_id: str | None = None
     extra_args: tuple[str, ...] = ()  # further `vllm serve` flags ("--enable-scale-out")
     process: ManagedProcess | None = field(default=None, init=False)
-    # vLLM leaves its IPC sockets and torch's file stores in the temp directory when it stops
-    # (hundreds per test run): each server gets a temp directory of its own, gone with it.
-    scratch: Path | None = field(default=None, init=False)
 
     @property
     def url(self) -> str:
@@ -218,11 +210,7 @@ class VllmServer:
             "VLLM_CPU_OMP_THREADS_BIND": self.cpu,
             "VLLM_CACHE_ROOT": str(self.work / f"{self.name}.vllm-cache"),
             "VLLM_LOGGING_LEVEL": "INFO",
-            # Torch's compile cache stays where torch puts it by default, shared between runs.
-            "TORCHINDUCTOR_CACHE_DIR": INDUCTOR_CACHE,
         }
-        if self.scratch is not None:
-            env["TMPDIR"] = str(self.scratch)
         if self.uses_nixl:
             # NIXL's handshake listens here (one side channel per server on a shared host).
             env["VLLM_NIXL_SIDE_CHANNEL_HOST"] = LOOPBACK
@@ -231,8 +219,6 @@ class VllmServer:
 
     def start(self, env: VllmEnv, model: Path) -> VllmServer:
         self.work.mkdir(parents=True, exist_ok=True)
-        # Short, in the system's temp directory: a socket's path is limited to 107 bytes.
-        self.scratch = Path(tempfile.mkdtemp(prefix="pdproxy-vllm-"))
         self.process = ManagedProcess(
             self.name,
             self.argv(env, model),
@@ -251,12 +237,7 @@ class VllmServer:
         wait_until(self.ready, timeout, f"{self.name} to serve", [self.process], interval=0.5)
 
     def stop(self) -> int | None:
-        try:
-            return None if self.process is None else self.process.stop(STOP_GRACE_S)
-        finally:
-            if self.scratch is not None:
-                shutil.rmtree(self.scratch, ignore_errors=True)
-                self.scratch = None
+        return None if self.process is None else self.process.stop(STOP_GRACE_S)
 
     def alive(self) -> bool:
         return self.process is not None and self.process.alive()

@@ -4,7 +4,6 @@ sidecar."""
 
 from __future__ import annotations
 
-import tempfile
 import threading
 import time
 from pathlib import Path
@@ -113,18 +112,10 @@ def test_stopped_vllm_server_leaves_the_registry_within_the_ttl(
         spare = VllmServer(
             "vllm-spare", "kv_consumer", http_port, kv_port, tmp_path, proxy.registry_address
         )
-        left_before = _left_in_temp()
         with running_servers(vllm_env, vllm_model, [spare]):
             wait_until(lambda: spare.http_address in proxy.registered(), 15.0, "registration")
-            scratch = spare.scratch
-            assert scratch is not None
-            # vLLM's own IPC sockets are in the server's scratch directory...
-            assert any(path.is_socket() for path in scratch.iterdir())
             stopped = time.monotonic()
             spare.stop()
-            # ... which goes with the server, and nothing of the server's stays behind.
-            assert not scratch.exists()
-            assert _left_in_temp() - left_before == set()
             wait_until(
                 lambda: spare.http_address not in proxy.registered(),
                 ttl + 2.0,  # the TTL plus one sweep period
@@ -135,17 +126,6 @@ def test_stopped_vllm_server_leaves_the_registry_within_the_ttl(
             )
     finally:
         proxy.stop()
-
-
-def _left_in_temp() -> set[str]:
-    """What vLLM leaves in a temp directory when it stops: its IPC sockets, torch's file
-    stores."""
-    root = Path(tempfile.gettempdir())
-    return {
-        path.name
-        for path in root.iterdir()
-        if path.is_socket() or path.name.startswith("vllm_dist_")
-    }
 
 
 BARRIER_TIMEOUT_S = 60.0  # one generation of 1,500 tokens takes seconds here
