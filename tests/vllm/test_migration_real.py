@@ -155,6 +155,34 @@ def same(answer: dict[str, Any], reference: dict[str, Any]) -> bool:
     )
 
 
+def differences(answer: dict[str, Any], reference: dict[str, Any]) -> dict[str, Any]:
+    """Where two answers part: per field, the first differing index with both sides around it
+    (the whole answers are too long for an assertion message to show the difference)."""
+    found: dict[str, Any] = {}
+    for key in sorted(answer.keys() | reference.keys()):
+        mine, theirs = answer.get(key), reference.get(key)
+        if mine == theirs:
+            continue
+        if not isinstance(mine, str | list) or not isinstance(theirs, str | list):
+            found[key] = (mine, theirs)
+            continue
+        at = next(
+            (i for i, pair in enumerate(zip(mine, theirs, strict=False)) if pair[0] != pair[1]),
+            min(len(mine), len(theirs)),
+        )
+        if key == "logprobs" and isinstance(mine, list) and isinstance(theirs, list):
+            gaps = [abs(a - b) for a, b in zip(mine, theirs, strict=False)]
+            worst = max(range(len(gaps)), key=gaps.__getitem__, default=0)
+            found["logprobs worst"] = (worst, mine[worst : worst + 1], theirs[worst : worst + 1])
+        found[key] = {
+            "lengths": (len(mine), len(theirs)),
+            "first difference": at,
+            "answer": mine[max(0, at - 3) : at + 3],
+            "reference": theirs[max(0, at - 3) : at + 3],
+        }
+    return found
+
+
 def serving_decode(fleet: Fleet, first_event: bytes) -> VllmServer:
     """The decode named in the response id (the proxy's tagged request id)."""
     chunk = json.loads(first_event.removeprefix(b"data: "))
@@ -291,4 +319,4 @@ def test_stop_strings_and_logprobs_survive_a_kill(fleet: Fleet) -> None:
         else:
             assert len(reference["tokens"]) == TOKENS
         answer = kill_until_migrated(fleet, prompt, extra)
-        assert same(answer, reference), (name, answer, reference)
+        assert same(answer, reference), (name, differences(answer, reference))
