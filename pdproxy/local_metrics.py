@@ -130,16 +130,18 @@ class LocalHistogram(_LocalFamily):
 
 
 class LocalGauge(_LocalFamily):
-    """A gauge without labels."""
+    """A gauge without labels: set, or read from `reader` at scrape time when one is given."""
 
     def __init__(self, definition: Gauge) -> None:
         super().__init__(definition)
         self.value = 0.0
+        self.reader: Callable[[], float] | None = None
 
     def set(self, value: float) -> None:
         self.value = value
 
     def collect(self) -> list[Metric]:
         metric = self._empty()
-        metric.add_sample(self.definition._name, {}, self.value)
+        value = self.value if self.reader is None else self.reader()
+        metric.add_sample(self.definition._name, {}, value)
         return [metric]

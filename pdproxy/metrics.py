@@ -404,6 +404,14 @@ class Metrics:
         else:
             self._local.time_to_first_token.observe(seconds)
 
+    def read_admitted(self, count: Callable[[], int]) -> bool:
+        """In one process the admitted gauge reads `count` at scrape time (True), not on every
+        request; with several workers (False) the caller sets it (`set_admitted`)."""
+        if self._local is None:
+            return False
+        self._local.admitted.reader = count
+        return True
+
     def set_admitted(self, count: int) -> None:
         if self._local is None:
             self.admitted.set(count)

@@ -434,32 +434,6 @@ class Upstream:
                 f"{self._connect_timeout:g}s",
             ) from None
 
-    async def _open(self, address: HostPort, head: bytes, body: bytes | None) -> _Connection:
-        loop = self._loop
-        pool = self._pools.get(address)
-        pooled = None if pool is None else pool.take(loop.time())
-        stale: UpstreamError | None = None
-        if pooled is not None:
-            try:
-                await pooled.request(head, body)
-                return pooled
-            except UpstreamError as exc:
-                # A pooled connection the instance closed meanwhile fails at once, before any
-                # byte of answer: the request was never seen, so a fresh connection may carry it.
-                if pooled.received_any or loop.time() - pooled.sent_at > _STALE_WINDOW:
-                    raise
-                stale = exc
-        connection = await self._connect(address, loop)
-        try:
-            await connection.request(head, body)
-            return connection
-        except UpstreamError as exc:
-            if stale is None:
-                raise
-            raise UpstreamError(
-                exc.kind, f"{exc.detail} (retried after a pooled connection failed: {stale})"
-            ) from None
-
     async def _connect(self, address: HostPort, loop: asyncio.AbstractEventLoop) -> _Connection:
         try:
             async with asyncio.timeout(self._connect_timeout):
@@ -511,12 +485,40 @@ class _StreamCall:
         upstream = self._upstream
         if not upstream._slots.try_take():
             await upstream._wait_for_slot()
+        # Opening here, not in a coroutine of Upstream's: one frame less between the request's
+        # task and the socket (docs/performance.md, "Calls on the request path").
+        address, head, body = self._address, self._head, self._body
+        loop = upstream._loop
         try:
-            self._connection = await upstream._open(self._address, self._head, self._body)
+            pool = upstream._pools.get(address)
+            pooled = None if pool is None else pool.take(loop.time())
+            stale: UpstreamError | None = None
+            if pooled is not None:
+                try:
+                    await pooled.request(head, body)
+                    self._connection = pooled
+                    return Stream(pooled)
+                except UpstreamError as exc:
+                    # A pooled connection the instance closed meanwhile fails at once, before
+                    # any byte of answer: the request was never seen, so a fresh connection
+                    # may carry it.
+                    if pooled.received_any or loop.time() - pooled.sent_at > _STALE_WINDOW:
+                        raise
+                    stale = exc
+            connection = await upstream._connect(address, loop)
+            try:
+                await connection.request(head, body)
+            except UpstreamError as exc:
+                if stale is None:
+                    raise
+                raise UpstreamError(
+                    exc.kind, f"{exc.detail} (retried after a pooled connection failed: {stale})"
+                ) from None
         except BaseException:
             upstream._slots.give_back()
             raise
-        return Stream(self._connection)
+        self._connection = connection
+        return Stream(connection)
 
     async def __aexit__(self, exc_type: type[BaseException] | None, *rest: object) -> None:
         upstream, connection = self._upstream, self._connection

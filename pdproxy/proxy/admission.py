@@ -35,6 +35,8 @@ class Admission:
         self._slots = Slots(asyncio.get_running_loop(), limit)
         self.waiting = 0
         self.closing = False
+        # False: the metrics read the count at scrape time (one process), nothing to report.
+        self._reports = not metrics.read_admitted(lambda: self.active)
 
     @property
     def active(self) -> int:
@@ -45,9 +47,30 @@ class Admission:
     def idle(self) -> bool:
         return self.active == 0 and self.waiting == 0
 
-    def slot(self) -> _Slot:
-        """`async with admission.slot():` holds one of the slots for the block."""
-        return _Slot(self)
+    def try_enter(self) -> bool:
+        """Take a free slot now (True), or find none (False: `await enter()` waits for one);
+        refused while draining. The slot is held until `leave()`."""
+        self.refuse_if_closing()
+        if self._slots.try_take():
+            if self._reports:
+                self._metrics.set_admitted(self.active)
+            return True
+        return False
+
+    async def enter(self) -> None:
+        """Wait in the queue for a slot (after `try_enter` found none), bounded by
+        queue_timeout; held until `leave()`."""
+        try:
+            await self._wait_for_slot()
+        finally:
+            # Exact however the wait ended: a slot handed over just as it timed out or was
+            # cancelled went on to the next waiter, or back to the free ones.
+            if self._reports:
+                self._metrics.set_admitted(self.active)
+
+    def leave(self) -> None:
+        if not self._slots.give_back() and self._reports:
+            self._metrics.set_admitted(self.active)
 
     @contextlib.contextmanager
     def queued(self) -> Iterator[None]:
@@ -78,16 +101,6 @@ class Admission:
                 headers=((b"connection", b"close"), *self._retry_after),
             )
 
-    async def _enter(self) -> None:
-        self.refuse_if_closing()
-        try:
-            if not self._slots.try_take():
-                await self._wait_for_slot()
-        finally:
-            # Exact however the wait ended: a slot handed over just as it timed out or was
-            # cancelled went on to the next waiter, or back to the free ones.
-            self._metrics.set_admitted(self.active)
-
     async def _wait_for_slot(self) -> None:
         with self.queued():
             try:
@@ -103,25 +116,5 @@ class Admission:
                     headers=self._retry_after,
                 ) from None
 
-    def _leave(self) -> None:
-        if not self._slots.give_back():
-            self._metrics.set_admitted(self.active)
-
     def _refused(self, reason: str) -> None:
         self._metrics.refused.labels(reason).inc()
-
-
-class _Slot:
-    """Admission.slot's context manager. (A class, not an async generator: docs/performance.md,
-    "Context managers as classes".)"""
-
-    __slots__ = ("_admission",)
-
-    def __init__(self, admission: Admission) -> None:
-        self._admission = admission
-
-    async def __aenter__(self) -> None:
-        await self._admission._enter()
-
-    async def __aexit__(self, *exc: object) -> None:
-        self._admission._leave()

@@ -73,12 +73,19 @@ class CompletionsEndpoint:
             # Admitted before the body is read: waiting requests hold no bodies in memory.
             with Deadline(self._alarms, task, self._settings.request_timeout) as deadline:
                 exchange.deadline = deadline.when() or exchange.deadline
-                async with self._admission.slot():
+                admission = self._admission
+                if not admission.try_enter():
+                    await admission.enter()
+                try:
                     body = await read_body(exchange, client, self._settings, self._alarms)
                     request = parse_completion(self._path, body, self._max_values)
                     exchange.notes.model, exchange.notes.stream = request.model, request.stream
                     exchange.watch_disconnect()
-                    await self._dispatcher.serve(request, exchange, client)
+                    dispatcher = self._dispatcher
+                    with dispatcher.trace(request, client) as trace:
+                        await dispatcher.serve(request, exchange, client.authorization, trace)
+                finally:
+                    admission.leave()
         except ProxyError as exc:
             exchange.notes.error = exc.code
             self._log_failure(exc, client_id, exchange.request_id)

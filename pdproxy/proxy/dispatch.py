@@ -21,6 +21,7 @@ import logging
 import random
 import time
 from collections.abc import Callable
+from contextlib import AbstractContextManager
 from typing import Any
 
 from pdproxy.base.roles import Role
@@ -137,22 +138,24 @@ class Dispatcher:
             headers["Authorization"] = auth
         return headers
 
-    async def serve(
-        self, request: CompletionRequest, exchange: Exchange, client: ClientHeaders
-    ) -> None:
-        """Run both legs (or only decode, for a short prompt) and answer through `exchange`."""
+    def trace(
+        self, request: CompletionRequest, client: ClientHeaders
+    ) -> AbstractContextManager[RequestTrace]:
+        """`with dispatcher.trace(request, client) as trace:` the request's trace (the client's
+        context, or a new trace), around `serve`. (Not inside serve: a coroutine less between
+        the request's task and its legs, docs/performance.md, "Calls on the request path".)"""
         context = trace_context(client.traceparent, client.tracestate, self._new_uid())
-        with self._tracing.request(context, request.path) as trace:
-            exchange.notes.trace_id = trace.trace_id
-            await self._serve_traced(request, exchange, client.authorization, trace)
+        return self._tracing.request(context, request.path)
 
-    async def _serve_traced(
+    async def serve(
         self,
         request: CompletionRequest,
         exchange: Exchange,
         authorization: str | None,
         trace: RequestTrace,
     ) -> None:
+        """Run both legs (or only decode, for a short prompt) and answer through `exchange`."""
+        exchange.notes.trace_id = trace.trace_id
         original = request
         if self._migration_limit and migration_refusal(request, self._whole_min) is None:
             exchange.ledger = self._ledger(request)

@@ -149,11 +149,16 @@ class PassThroughEndpoint:
             target = _target(scope)
             with Deadline(self._alarms, task, self._settings.request_timeout) as deadline:
                 exchange.deadline = deadline.when() or exchange.deadline
-                async with self._admission.slot():
+                admission = self._admission
+                if not admission.try_enter():
+                    await admission.enter()
+                try:
                     body = await read_body(exchange, client, self._settings, self._alarms)
                     exchange.notes.model = _model_of(body)
                     exchange.watch_disconnect()
                     await self._serve(scope, target, body, exchange, client)
+                finally:
+                    admission.leave()
         except ProxyError as exc:
             exchange.notes.error = exc.code
             log.warning("%s: %d %s", self._label, exc.status, exc.message)

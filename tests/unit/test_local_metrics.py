@@ -9,6 +9,7 @@ from __future__ import annotations
 
 import math
 import random
+from pathlib import Path
 
 import pytest
 from prometheus_client import CollectorRegistry, Counter, Gauge, Histogram
@@ -113,6 +114,20 @@ def test_one_process_metrics_show_the_request_updates_in_the_definitions_order()
         "pdproxy_admitted_requests",
         "pdproxy_queued_requests",
     ]
+
+
+def test_the_admitted_gauge_reads_its_count_at_scrape_time_in_one_process(
+    tmp_path: Path,
+) -> None:
+    metrics = Metrics()
+    count = [3]
+    assert metrics.read_admitted(lambda: count[0])
+    sample = metrics.registry.get_sample_value
+    assert sample("pdproxy_admitted_requests", {}) == 3
+    count[0] = 0
+    assert sample("pdproxy_admitted_requests", {}) == 0
+    # Several workers share files: nothing reads at scrape time, the caller sets the gauge.
+    assert not Metrics(shared_dir=str(tmp_path)).read_admitted(lambda: 3)
 
 
 def clock() -> float:
