@@ -223,9 +223,19 @@ def test_announce_sidecar_reports_real_vllm_load(real_stack: RealStack, tmp_path
         # The listing that showed both running: under load the proxy may miss one /v1/instances
         # call later (instances() is then empty), so it is kept, not asked for again.
         seen: dict[str, Any] = {}
+        # How the proxy's listings fared: a failure then tells a stale sidecar from a proxy
+        # that did not list the instance (or did not answer) in the meantime.
+        with_it = without = 0
+        last_with_it = time.monotonic()
 
         def two_running() -> bool:
-            seen.update(announced())
+            nonlocal with_it, without, last_with_it
+            listed = announced()
+            if listed:
+                with_it, last_with_it = with_it + 1, time.monotonic()
+                seen.update(listed)
+            else:
+                without += 1
             return bool(seen.get("load", {}).get("running") == 2)
 
         try:
@@ -239,7 +249,9 @@ def test_announce_sidecar_reports_real_vllm_load(real_stack: RealStack, tmp_path
                 if line.startswith(("vllm:num_requests_running", "vllm:num_requests_waiting"))
             ]
             raise AssertionError(
-                f"{exc}\nlast announced: {seen}\nvLLM: {running}\nerrors: {errors}"
+                f"{exc}\nlast announced: {seen}\nlistings with the instance: {with_it}, "
+                f"without it: {without}, the last with it "
+                f"{time.monotonic() - last_with_it:.1f} s ago\nvLLM: {running}\nerrors: {errors}"
             ) from None
         busy = seen["load"]
         assert busy["kv_usage"] > 0.0
