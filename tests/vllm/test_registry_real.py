@@ -226,7 +226,7 @@ def test_announce_sidecar_reports_real_vllm_load(real_stack: RealStack, tmp_path
         # How the proxy's listings fared: a failure then tells a stale sidecar from a proxy
         # that did not list the instance (or did not answer) in the meantime.
         with_it = without = 0
-        last_with_it = time.monotonic()
+        last_with_it = 0.0
 
         def two_running() -> bool:
             nonlocal with_it, without, last_with_it
@@ -248,10 +248,11 @@ def test_announce_sidecar_reports_real_vllm_load(real_stack: RealStack, tmp_path
                 for line in server.metrics_text().splitlines()
                 if line.startswith(("vllm:num_requests_running", "vllm:num_requests_waiting"))
             ]
+            last = f"{time.monotonic() - last_with_it:.1f} s ago" if with_it else "never"
             raise AssertionError(
                 f"{exc}\nlast announced: {seen}\nlistings with the instance: {with_it}, "
-                f"without it: {without}, the last with it "
-                f"{time.monotonic() - last_with_it:.1f} s ago\nvLLM: {running}\nerrors: {errors}"
+                f"without it: {without}, the last with it {last}\nvLLM: {running}\n"
+                f"errors: {errors}"
             ) from None
         busy = seen["load"]
         assert busy["kv_usage"] > 0.0
