@@ -14,9 +14,7 @@ import contextlib
 import hashlib
 import json
 import os
-import shutil
 import subprocess
-import tempfile
 import time
 from collections.abc import Iterator, Sequence
 from contextlib import ExitStack, contextmanager
@@ -102,10 +100,6 @@ class VllmServer:
     engine_id: str | None = None
     extra_args: tuple[str, ...] = ()  # further `vllm serve` flags ("--enable-scale-out")
     process: ManagedProcess | None = field(default=None, init=False)
-    # The server's own temporary directory (its TMPDIR), removed when it stops: vLLM leaves its
-    # ZMQ IPC sockets and rendezvous files in the temporary directory when it is killed, a
-    # dozen per server, and a full test run starts hundreds of servers.
-    temp: Path | None = field(default=None, init=False)
 
     @property
     def url(self) -> str:
@@ -208,6 +202,10 @@ class VllmServer:
         ]
 
     def environment(self) -> dict[str, str]:
+        # No temporary directory of its own per server, though vLLM leaves a dozen IPC sockets
+        # and file stores in the shared one per server: NIXL push's first transfer through the
+        # proxy then stalled for the client's whole timeout in 4 of 5 full runs with a TMPDIR
+        # per server, 1 of 2 with only VLLM_RPC_BASE_PATH moved, 0 of 2 without. A known leak.
         env = {
             "PYTHONPATH": str(import_root(self.work)),
             "HF_HUB_OFFLINE": "1",
@@ -217,8 +215,6 @@ class VllmServer:
             "VLLM_CACHE_ROOT": str(self.work / f"{self.name}.vllm-cache"),
             "VLLM_LOGGING_LEVEL": "INFO",
         }
-        if self.temp is not None:
-            env["TMPDIR"] = str(self.temp)
         if self.uses_nixl:
             # NIXL's handshake listens here (one side channel per server on a shared host).
             env["VLLM_NIXL_SIDE_CHANNEL_HOST"] = LOOPBACK
@@ -227,9 +223,6 @@ class VllmServer:
 
     def start(self, env: VllmEnv, model: Path) -> VllmServer:
         self.work.mkdir(parents=True, exist_ok=True)
-        # Short, under the system's temporary directory: an IPC socket's path (this and a
-        # uuid) must fit in 107 bytes, which a test's work directory can exceed.
-        self.temp = Path(tempfile.mkdtemp(prefix="pdproxy-vllm-"))
         self.process = ManagedProcess(
             self.name,
             self.argv(env, model),
@@ -248,11 +241,7 @@ class VllmServer:
         wait_until(self.ready, timeout, f"{self.name} to serve", [self.process], interval=0.5)
 
     def stop(self) -> int | None:
-        code = None if self.process is None else self.process.stop(STOP_GRACE_S)
-        if self.temp is not None:
-            shutil.rmtree(self.temp, ignore_errors=True)
-            self.temp = None
-        return code
+        return None if self.process is None else self.process.stop(STOP_GRACE_S)
 
     def alive(self) -> bool:
         return self.process is not None and self.process.alive()
