@@ -58,6 +58,11 @@ class StreamLedger:
         # with tokens still pending, so it moves the clean cut only if it holds one token.
         self._settled = 0
         self._settled_chars = 0
+        # Completions logprobs: the text_offset the client's next token gets. vLLM counts it
+        # over the reported tokens' strings, not the text sent: a special token adds its
+        # string's length and no text, and stop-string text lags the tokens.
+        self._next_offset = 0
+        self._settled_offset = 0
         self.finished = False  # the choice's finish_reason went out
         self.done = False  # [DONE] went out
         self.migratable = True  # false once a tool call or reasoning went out
@@ -206,6 +211,9 @@ class StreamLedger:
                             self._collect_reasoning(delta)
             else:
                 text = choice.get("text") or ""
+                logprobs = choice.get("logprobs")
+                if type(logprobs) is dict:
+                    self._advance_offset(logprobs)
             if type(text) is not str:
                 text = ""
             self._count_text(text, count, len(text))
@@ -242,6 +250,14 @@ class StreamLedger:
         replaying = self._skip_ids or self._skip_chars  # not yet past what the client has
         if upstream_text and upstream_tokens == 1 and not replaying:
             self._settled, self._settled_chars = len(self.generated), self.chars_sent
+            self._settled_offset = self._next_offset
+
+    def _advance_offset(self, logprobs: dict[str, Any]) -> None:
+        offsets, tokens = logprobs.get("text_offset"), logprobs.get("tokens")
+        if type(offsets) is list and type(tokens) is list and offsets and tokens:
+            last_offset, last_token = offsets[-1], tokens[-1]
+            if type(last_offset) is int and type(last_token) is str:
+                self._next_offset = last_offset + len(last_token)
 
     # -- migrating -------------------------------------------------------------------------
 
@@ -261,7 +277,7 @@ class StreamLedger:
         else:
             self._skip_ids = len(self.generated) - self._settled
             self._skip_chars = self.chars_sent - self._settled_chars
-            self._offset_shift, self._before_cut = self._settled_chars, self._settled
+            self._offset_shift, self._before_cut = self._settled_offset, self._settled
 
     def closing(self) -> bytes:
         """What ends a stream whose choice finished but whose upstream did not end it: the
@@ -363,13 +379,14 @@ class StreamLedger:
                 skipped = min(len(text), self._skip_chars)
                 self._skip_chars -= skipped
                 text = text[skipped:]
+            if isinstance(logprobs, dict) and isinstance(logprobs.get("text_offset"), list):
+                shift = self._offset_shift
+                logprobs["text_offset"] = [o + shift for o in logprobs["text_offset"]]
+                self._advance_offset(logprobs)
             self.generated.extend(ids)
             self._count_text(upstream_text, upstream_tokens, len(text))
             if not ids and not text and finish is None:
                 continue  # all of it replayed what the client has
-            if isinstance(logprobs, dict) and isinstance(logprobs.get("text_offset"), list):
-                shift = self._offset_shift
-                logprobs["text_offset"] = [o + shift for o in logprobs["text_offset"]]
             if finish is not None:
                 self.finished = True
             if self.whole:

@@ -169,6 +169,23 @@ def test_completions_text_offsets_continue_from_the_last_token_reported() -> Non
     assert sent["choices"][0]["logprobs"]["text_offset"] == [4]
 
 
+def test_text_offsets_after_a_cut_count_token_strings_not_text() -> None:
+    # vLLM 0.32 advances text_offset by each reported token's string: a special token adds
+    # its string's length and no text, so the characters sent are no measure of it.
+    book = ledger()
+    book.feed(event(chunk(" a", [1], logprobs=logprobs_of([" a"], 0), prompt_token_ids=[0])))
+    book.feed(event(chunk("", [2], logprobs=logprobs_of(["<|sys|>"], 2))))
+    book.feed(event(chunk(" b", [3], logprobs=logprobs_of([" b"], 9))))
+    assert book.chars_sent == 4
+    book.cut(replay=False)
+    [sent] = parsed(book.feed(event(chunk(" c", [4], logprobs=logprobs_of([" c"], 0)))))
+    assert sent["choices"][0]["logprobs"]["text_offset"] == [11]
+    # The next cut goes on from there, counted the same way.
+    book.cut(replay=False)
+    [sent] = parsed(book.feed(event(chunk(" d", [5], logprobs=logprobs_of([" d"], 0)))))
+    assert sent["choices"][0]["logprobs"]["text_offset"] == [13]
+
+
 def test_a_replay_takes_out_what_the_client_holds() -> None:
     book = ledger(wants_ids=True)
     book.feed(event(chunk(" a", [11], prompt_token_ids=[1])))
