@@ -227,6 +227,11 @@ def test_announce_sidecar_reports_real_vllm_load(real_stack: RealStack, tmp_path
         # that did not list the instance (or did not answer) in the meantime.
         with_it = without = 0
         last_with_it = 0.0
+        # Each listing's (seconds since the generations started, running, seconds since the
+        # sidecar's last message): a sidecar that scrapes rarely, or only between the rounds'
+        # generations, shows here.
+        history: list[tuple[float, Any, Any]] = []
+        began = time.monotonic()
 
         def two_running() -> bool:
             nonlocal with_it, without, last_with_it
@@ -234,6 +239,14 @@ def test_announce_sidecar_reports_real_vllm_load(real_stack: RealStack, tmp_path
             if listed:
                 with_it, last_with_it = with_it + 1, time.monotonic()
                 seen.update(listed)
+                load = listed.get("load") or {}
+                history.append(
+                    (
+                        round(last_with_it - began, 1),
+                        load.get("running"),
+                        listed.get("last_seen_seconds_ago"),
+                    )
+                )
             else:
                 without += 1
             return bool(seen.get("load", {}).get("running") == 2)
@@ -251,7 +264,8 @@ def test_announce_sidecar_reports_real_vllm_load(real_stack: RealStack, tmp_path
             last = f"{time.monotonic() - last_with_it:.1f} s ago" if with_it else "never"
             raise AssertionError(
                 f"{exc}\nlast announced: {seen}\nlistings with the instance: {with_it}, "
-                f"without it: {without}, the last with it {last}\nvLLM: {running}\n"
+                f"without it: {without}, the last with it {last}\n"
+                f"listings (s, running, last message s ago): {history[-40:]}\nvLLM: {running}\n"
                 f"errors: {errors}"
             ) from None
         busy = seen["load"]
