@@ -224,28 +224,21 @@ def test_announce_sidecar_reports_real_vllm_load(real_stack: RealStack, tmp_path
         # call later (instances() is then empty), so it is kept, not asked for again.
         seen: dict[str, Any] = {}
         # How the proxy's listings fared: a failure then tells a stale sidecar from a proxy
-        # that did not list the instance (or did not answer) in the meantime.
-        with_it = without = 0
-        last_with_it = 0.0
-        # Each listing's (seconds since the generations started, running, seconds since the
-        # sidecar's last message): a sidecar that scrapes rarely, or only between the rounds'
-        # generations, shows here.
-        history: list[tuple[float, Any, Any]] = []
+        # that did not list the instance (or did not answer) in the meantime. Each listing
+        # with it: (when, running, seconds since the sidecar's last message), so that a sidecar
+        # that scrapes rarely, or only between the rounds' generations, shows too.
+        listings: list[tuple[float, Any, Any]] = []
+        without = 0
         began = time.monotonic()
 
         def two_running() -> bool:
-            nonlocal with_it, without, last_with_it
+            nonlocal without
             listed = announced()
             if listed:
-                with_it, last_with_it = with_it + 1, time.monotonic()
                 seen.update(listed)
                 load = listed.get("load") or {}
-                history.append(
-                    (
-                        round(last_with_it - began, 1),
-                        load.get("running"),
-                        listed.get("last_seen_seconds_ago"),
-                    )
+                listings.append(
+                    (time.monotonic(), load.get("running"), listed.get("last_seen_seconds_ago"))
                 )
             else:
                 without += 1
@@ -261,11 +254,12 @@ def test_announce_sidecar_reports_real_vllm_load(real_stack: RealStack, tmp_path
                 for line in server.metrics_text().splitlines()
                 if line.startswith(("vllm:num_requests_running", "vllm:num_requests_waiting"))
             ]
-            last = f"{time.monotonic() - last_with_it:.1f} s ago" if with_it else "never"
+            last = f"{time.monotonic() - listings[-1][0]:.1f} s ago" if listings else "never"
+            history = [(round(at - began, 1), count, age) for at, count, age in listings[-40:]]
             raise AssertionError(
-                f"{exc}\nlast announced: {seen}\nlistings with the instance: {with_it}, "
+                f"{exc}\nlast announced: {seen}\nlistings with the instance: {len(listings)}, "
                 f"without it: {without}, the last with it {last}\n"
-                f"listings (s, running, last message s ago): {history[-40:]}\nvLLM: {running}\n"
+                f"listings (s, running, last message s ago): {history}\nvLLM: {running}\n"
                 f"errors: {errors}"
             ) from None
         busy = seen["load"]
