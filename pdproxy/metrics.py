@@ -191,6 +191,13 @@ class Metrics:
             ["outcome", "reason"],
             registry=r,
         )
+        self.registry_stalls = Counter(
+            "pdproxy_registry_stalls",
+            "Sweeps that found the proxy had not run for over two sweep periods (descheduled, "
+            "CPU-throttled, stopped); each let instances be judged one period later, once what "
+            "their workers sent meanwhile was read.",
+            registry=r,
+        )
         self.upstream_errors = Counter(
             "pdproxy_upstream_errors",
             "Legs failed by their upstream or the exchange with it, by role and reason "

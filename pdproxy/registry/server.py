@@ -1,6 +1,7 @@
 """The registry's I/O shell: a ZMQ ROUTER socket feeding the pure RegistryTable and the pure KV
 transfer aggregator (kv_stats), plus the sweep that expires silent instances and settles
-transfers even when no message ever arrives again.
+transfers even when no message ever arrives again (not right after the proxy itself stalled:
+pdproxy.registry.stall).
 """
 
 from __future__ import annotations
@@ -23,6 +24,7 @@ from pdproxy.pairing.consistency import contradiction
 from pdproxy.registry.auth import RegistryGate, Verifier, parse_cidrs
 from pdproxy.registry.kv_stats import KvTransferStats, RankReport, TransferRecord
 from pdproxy.registry.messages import Announcement, Leave, Reason, Rejected, Stats
+from pdproxy.registry.stall import StallGuard
 from pdproxy.registry.table import Change, Instance, RegistryTable, Source
 
 log = logging.getLogger("pdproxy.registry")
@@ -366,8 +368,17 @@ class RegistryServer:
         return expired
 
     async def _sweep_loop(self) -> None:
+        guard = StallGuard(self.sweep_interval, self._clock())
         while True:
             await asyncio.sleep(self.sweep_interval)
+            if not guard.may_judge(self._clock()):
+                self._metrics.registry_stalls.inc()
+                log.warning(
+                    "registry: the proxy did not run for %.1fs; instances are judged one sweep "
+                    "later, once what their workers sent meanwhile is read",
+                    guard.stalled_for,
+                )
+                continue
             try:
                 self.sweep()
             except Exception:

@@ -1,28 +1,44 @@
-"""A proxy whose own loop stalls longer than the TTL keeps the instances that went on announcing
-meanwhile: their announcements wait in the registry's socket and are read before the late
-sweep judges anyone (were the sweep first, every instance would expire at once and each request
-be refused with 503 until the next announcements). A real registry socket and real announcers,
-on asyncio's loop and on uvloop (the proxy's)."""
+"""Instances that go on announcing while the proxy does not run are not expired when it runs
+again.
+
+- A stall of the proxy's loop alone (on asyncio's loop and on uvloop, the proxy's): ZMQ's I/O
+  thread goes on queueing the announcements, and they are read before the late sweep judges
+  anyone.
+- A stall of the whole proxy process (SIGSTOP: as a cgroup's CPU throttling or a descheduled VM
+  does it): ZMQ's I/O thread stopped too, so on waking the sweep's timer fires before the
+  announcements are in the socket. The sweep waits one period (pdproxy.registry.stall), and a
+  worker that really fell silent meanwhile is still expired. Without that wait, every instance
+  expired at each stall and registered again a millisecond later, and requests in between got
+  503.
+
+A real registry socket and real announcers; in the second test the real proxy and fake workers,
+each its own process.
+"""
 
 from __future__ import annotations
 
 import asyncio
+import os
+import signal
 import threading
 import time
 from collections.abc import Callable
+from pathlib import Path
 
 import pytest
 import uvloop
 
 from pdproxy.base.roles import Role
 from pdproxy.config import Settings
-from pdproxy.demo.processes import free_ports
+from pdproxy.demo.fleet import LocalFleet, WorkerSpec
+from pdproxy.demo.processes import ManagedProcess, free_ports, wait_until
 from pdproxy.ids import parse_address
 from pdproxy.metrics import Metrics
 from pdproxy.registry.server import RegistryServer
 from pdproxy.registry.table import RegistryTable
 from pdproxy.vllm_side.announcement import WorkerIdentity, announce_message
 from pdproxy.vllm_side.fanout import FanOutClient
+from tests.integration.support import metric_value
 
 TTL_S = 1.0
 STALL_S = 2.0  # twice the TTL: a sweep before the reads would expire every instance
@@ -91,3 +107,49 @@ def test_instances_announcing_through_a_stall_of_the_proxys_loop_stay(loop: str)
     everyone = sorted(w.http_address for w in WORKERS)
     assert before == everyone
     assert after == everyone
+
+
+PROCESS_STALLS = 3
+PROCESS_STALL_S = 2.5  # more than twice the TTL
+
+
+def stopped_for(process: ManagedProcess, seconds: float) -> None:
+    """SIGSTOP `process` for `seconds`; it runs again even if this is interrupted."""
+    os.kill(process.pid, signal.SIGSTOP)
+    try:
+        time.sleep(seconds)
+    finally:
+        os.kill(process.pid, signal.SIGCONT)
+
+
+def test_instances_announcing_through_a_stop_of_the_proxy_process_stay(tmp_path: Path) -> None:
+    fleet = LocalFleet(
+        tmp_path, [WorkerSpec("P"), WorkerSpec("D")], ["--ttl", str(TTL_S)], announce_interval=0.1
+    )
+    fleet.start()
+    assert fleet.proxy is not None
+    proxy, log = fleet.proxy, tmp_path / "pdproxy.log"
+    everyone = {worker.http_address for worker in fleet.workers}
+    try:
+        for _ in range(PROCESS_STALLS):
+            stopped_for(proxy, PROCESS_STALL_S)
+            time.sleep(TTL_S)  # four sweep periods (TTL/4 each) after it runs again
+            assert fleet.registered() == everyone
+        assert "expired" not in log.read_text()
+        assert metric_value(fleet.proxy_url, "pdproxy_registry_stalls_total") >= PROCESS_STALLS
+
+        # A worker that stops announcing during a stall is expired all the same, one sweep late.
+        decode = fleet.role("D")[0]
+        os.kill(decode.process.pid, signal.SIGSTOP)
+        try:
+            stopped_for(proxy, PROCESS_STALL_S)
+            wait_until(
+                lambda: fleet.registered() == everyone - {decode.http_address},
+                5.0,
+                "the silent decode to expire and the prefill to stay",
+            )
+        finally:
+            os.kill(decode.process.pid, signal.SIGCONT)
+        wait_until(lambda: fleet.registered() == everyone, 5.0, "the decode to announce again")
+    finally:
+        fleet.stop()

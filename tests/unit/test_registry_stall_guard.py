@@ -1,0 +1,33 @@
+"""StallGuard: a sweep right after the proxy did not run waits one period, at most once in a
+row."""
+
+from __future__ import annotations
+
+from pdproxy.registry.stall import StallGuard
+
+PERIOD = 1.0
+
+
+def test_sweeps_on_time_judge() -> None:
+    guard = StallGuard(PERIOD, now=0.0)
+    assert [guard.may_judge(t) for t in (1.0, 2.05, 3.9, 5.8)] == [True] * 4
+
+
+def test_the_sweep_after_a_stall_waits_one_period_then_judges() -> None:
+    guard = StallGuard(PERIOD, now=0.0)
+    assert guard.may_judge(1.0)
+    assert not guard.may_judge(13.0)  # the process did not run for 12 s
+    assert guard.stalled_for == 12.0
+    assert guard.may_judge(14.0)
+
+
+def test_a_proxy_that_keeps_stalling_still_judges_every_other_sweep() -> None:
+    guard = StallGuard(PERIOD, now=0.0)
+    verdicts = [guard.may_judge(t) for t in (5.0, 10.0, 15.0, 20.0)]
+    assert verdicts == [False, True, False, True]
+
+
+def test_a_gap_of_two_periods_is_not_a_stall() -> None:
+    guard = StallGuard(PERIOD, now=0.0)
+    assert guard.may_judge(2.0)
+    assert not guard.may_judge(4.01)
