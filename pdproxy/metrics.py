@@ -194,8 +194,8 @@ class Metrics:
         self.registry_stalls = Counter(
             "pdproxy_registry_stalls",
             "Sweeps that found the proxy had not run for over two sweep periods (descheduled, "
-            "CPU-throttled, stopped); each let instances be judged one period later, once what "
-            "their workers sent meanwhile was read.",
+            "CPU-throttled, stopped) and so expired no one: what the workers sent meanwhile was "
+            "not read yet. The first sweep after a period the proxy ran through judges.",
             registry=r,
         )
         self.upstream_errors = Counter(

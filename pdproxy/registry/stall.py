@@ -4,9 +4,10 @@ The sweep is a timer on the proxy's loop. When the whole proxy process has not r
 (descheduled, CPU-throttled by its cgroup, stopped), its timer fires on waking before ZMQ's I/O
 thread has moved what the workers sent meanwhile from the kernel into the socket: a sweep then
 would expire every instance and refuse requests with 503 until the next announcements are read,
-milliseconds later. A sweep that wakes more than two periods after the last one therefore waits
-one more period before judging; at most once in a row, so that a proxy that keeps stalling
-still expires a silent instance at most one period late.
+milliseconds later. So a sweep judges only when the proxy ran through the whole period before
+it, which also reads what came during any earlier stall; one that wakes more than two periods
+after the last does not. A proxy that never runs two periods on time expires no one (its
+requests fail over by retries and outlier ejection) and counts each such sweep.
 """
 
 from __future__ import annotations
@@ -20,15 +21,12 @@ class StallGuard:
     def __init__(self, period_s: float, now: float) -> None:
         self._late_after = LATE_AFTER_PERIODS * period_s
         self._last = now
-        self._waited = False
         self.stalled_for = 0.0  # how long the process did not run before the last late sweep
 
     def may_judge(self, now: float) -> bool:
-        """False for the first sweep after a stall of the process: it waits one period."""
+        """False for a sweep that woke late: the process did not run through the period."""
         gap, self._last = now - self._last, now
-        if gap > self._late_after and not self._waited:
+        if gap > self._late_after:
             self.stalled_for = gap
-            self._waited = True
             return False
-        self._waited = False
         return True

@@ -6,10 +6,10 @@ again.
   anyone.
 - A stall of the whole proxy process (SIGSTOP: as a cgroup's CPU throttling or a descheduled VM
   does it): ZMQ's I/O thread stopped too, so on waking the sweep's timer fires before the
-  announcements are in the socket. The sweep waits one period (pdproxy.registry.stall), and a
-  worker that really fell silent meanwhile is still expired. Without that wait, every instance
-  expired at each stall and registered again a millisecond later, and requests in between got
-  503.
+  announcements are in the socket. Only a sweep after a period the proxy ran through judges
+  (pdproxy.registry.stall), also after two stalls back to back, and a worker that really fell
+  silent meanwhile is still expired. Without that, every instance expired at each stall and
+  registered again a millisecond later, and requests in between got 503.
 
 A real registry socket and real announcers; in the second test the real proxy and fake workers,
 each its own process.
@@ -132,11 +132,15 @@ def test_instances_announcing_through_a_stop_of_the_proxy_process_stay(tmp_path:
     everyone = {worker.http_address for worker in fleet.workers}
     try:
         for _ in range(PROCESS_STALLS):
+            # Two stalls with a moment between, in which the late sweep runs: the one after
+            # the second stall must not judge either.
+            stopped_for(proxy, PROCESS_STALL_S)
+            time.sleep(0.1)
             stopped_for(proxy, PROCESS_STALL_S)
             time.sleep(TTL_S)  # four sweep periods (TTL/4 each) after it runs again
             assert fleet.registered() == everyone
         assert "expired" not in log.read_text()
-        assert metric_value(fleet.proxy_url, "pdproxy_registry_stalls_total") >= PROCESS_STALLS
+        assert metric_value(fleet.proxy_url, "pdproxy_registry_stalls_total") >= 2 * PROCESS_STALLS
 
         # A worker that stops announcing during a stall is expired all the same, one sweep late.
         decode = fleet.role("D")[0]

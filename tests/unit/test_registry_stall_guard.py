@@ -1,5 +1,4 @@
-"""StallGuard: a sweep right after the proxy did not run waits one period, at most once in a
-row."""
+"""StallGuard: a sweep judges only when the proxy ran through the period before it."""
 
 from __future__ import annotations
 
@@ -21,10 +20,16 @@ def test_the_sweep_after_a_stall_waits_one_period_then_judges() -> None:
     assert guard.may_judge(14.0)
 
 
-def test_a_proxy_that_keeps_stalling_still_judges_every_other_sweep() -> None:
+def test_after_stalls_back_to_back_the_first_sweep_on_time_judges() -> None:
     guard = StallGuard(PERIOD, now=0.0)
-    verdicts = [guard.may_judge(t) for t in (5.0, 10.0, 15.0, 20.0)]
-    assert verdicts == [False, True, False, True]
+    # The process ran a moment at 5.0 (the late sweep) and stopped again until 10.0: the sweep
+    # then is late too, and only the one after a whole period run through judges.
+    assert [guard.may_judge(t) for t in (5.0, 10.0, 11.0)] == [False, False, True]
+
+
+def test_a_proxy_that_keeps_stalling_judges_no_one() -> None:
+    guard = StallGuard(PERIOD, now=0.0)
+    assert [guard.may_judge(t) for t in (5.0, 10.0, 15.0, 20.0)] == [False] * 4
 
 
 def test_a_gap_of_two_periods_is_not_a_stall() -> None:
