@@ -24,7 +24,6 @@ from dataclasses import dataclass
 from pathlib import Path
 from typing import Final
 
-import openai
 import pytest
 
 from pdproxy.demo.fleet import LocalFleet
@@ -116,13 +115,8 @@ def push_fleet(
 def warm_up(fleet: PushFleet) -> None:
     """The pair's first push transfer, through the static proxy, counted before any test."""
     before = PushCounters.of(fleet)
-    api = openai.OpenAI(
-        base_url=f"{fleet.proxies['static'].proxy_url}/v1",
-        api_key="unused",
-        max_retries=0,
-        timeout=WARM_UP_TIMEOUT_S,
-    )
     started = time.monotonic()
+    api = client(fleet.proxies["static"].proxy_url, WARM_UP_TIMEOUT_S)
     answer = complete(api, PROMPTS["multi_block"])
     moved_since(fleet, before, [answer])
     print(f"\nthe pair's first NIXL push transfer: {time.monotonic() - started:.1f} s")

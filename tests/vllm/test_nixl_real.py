@@ -167,10 +167,8 @@ def start_both_setups(
     return {"announced": announced, "static": static}
 
 
-def client(url: str) -> openai.OpenAI:
-    return openai.OpenAI(
-        base_url=f"{url}/v1", api_key="unused", max_retries=0, timeout=CLIENT_TIMEOUT_S
-    )
+def client(url: str, timeout_s: float = CLIENT_TIMEOUT_S) -> openai.OpenAI:
+    return openai.OpenAI(base_url=f"{url}/v1", api_key="unused", max_retries=0, timeout=timeout_s)
 
 
 def fresh() -> dict[str, Any]:
