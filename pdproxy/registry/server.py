@@ -374,8 +374,8 @@ class RegistryServer:
             if not guard.may_judge(self._clock()):
                 self._metrics.registry_stalls.inc()
                 log.warning(
-                    "registry: the proxy did not run for %.1fs; instances are judged once it "
-                    "ran a whole sweep period and read what their workers sent meanwhile",
+                    "registry: %.1fs since the last sweep (the proxy did not run); instances are "
+                    "judged once it ran a whole sweep period and read what their workers sent",
                     guard.stalled_for,
                 )
                 continue

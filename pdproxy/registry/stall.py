@@ -21,7 +21,7 @@ class StallGuard:
     def __init__(self, period_s: float, now: float) -> None:
         self._late_after = LATE_AFTER_PERIODS * period_s
         self._last = now
-        self.stalled_for = 0.0  # how long the process did not run before the last late sweep
+        self.stalled_for = 0.0  # the gap before the last late sweep (the stall, at most)
 
     def may_judge(self, now: float) -> bool:
         """False for a sweep that woke late: the process did not run through the period."""

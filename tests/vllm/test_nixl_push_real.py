@@ -55,7 +55,7 @@ REGISTRATION_TIMEOUT_S = 30.0
 COUNTER_TIMEOUT_S = 15.0  # vLLM publishes connector stats with its next engine step
 CONCURRENT = 4
 PUSH: Final = "NixlPushConnector"
-# A fresh pair's first NIXL push transfer took 40-75 s on a 2-core VM (the whole machine stalled
+# A fresh pair's first NIXL push transfer took 30-75 s on a 2-core VM (the whole machine stalled
 # for up to 30 s of it, the proxies and sidecars too), its later ones well under a second. The
 # fixture makes that first transfer with a bound of its own, so that each test's client bound
 # is not spent on NIXL's warm-up and no transfer of a timed-out test lands in the next one's
