@@ -306,7 +306,8 @@ class Settings(BaseModel):
     decode_first_byte_timeout: float = Field(
         120.0,
         gt=0,
-        description="Seconds until the decode leg's first body byte (bounds a KV handoff hang).",
+        description="Seconds until the decode leg's first body byte (bounds a KV handoff hang; "
+        "with both legs at once, counted from the prefill's answer).",
     )
     decode_timeout: float = Field(
         600.0,

@@ -58,7 +58,7 @@ from pdproxy.proxy.migration_stream import MalformedStream, StreamLedger
 from pdproxy.proxy.prompt import request_features
 from pdproxy.proxy.request import CompletionRequest
 from pdproxy.proxy.rotation import Rotation
-from pdproxy.proxy.side_by_side import decode_beside_prefill
+from pdproxy.proxy.side_by_side import DecodeBound, decode_beside_prefill
 from pdproxy.registry.messages import Connector
 from pdproxy.registry.table import Instance
 from pdproxy.reliability.backoff import RetryPolicy
@@ -405,6 +405,7 @@ class Dispatcher:
         kv_transfer_params of the prefill leg and of the decode leg, if any."""
         leg_params, decode_params = params
         prefilled = refused = False
+        bound = DecodeBound(self._settings.prefill_timeout)
 
         async def prefill() -> Reply:
             nonlocal prefilled
@@ -419,22 +420,27 @@ class Dispatcher:
                 prefill_leg.release()
             prefill_leg.succeeded()
             prefilled = answer.status < 400
+            if prefilled:
+                bound.prefill_answered(self._alarms.time())
             return answer
 
         async def decode() -> None:
             nonlocal refused
             task = asyncio.current_task(self._loop)
             assert task is not None
-            with trace.leg(Role.DECODE, decode_leg.instance.name) as span:
-                refused = await self._decode(
-                    decode_leg,
-                    request.decode_body(decode_params),
-                    request,
-                    headers | span,
-                    exchange,
-                    task,
-                    self._settings.prefill_timeout,
-                )
+            try:
+                with trace.leg(Role.DECODE, decode_leg.instance.name) as span:
+                    refused = await self._decode(
+                        decode_leg,
+                        request.decode_body(decode_params),
+                        request,
+                        headers | span,
+                        exchange,
+                        task,
+                        bound,
+                    )
+            finally:
+                bound.release()  # a prefill answering later moves no deadline of a leg ended
 
         # Whether this attempt's decode reached the client: a continuation's stream had started
         # before it (migration), so there it is the leg's own first chunk.
@@ -520,11 +526,11 @@ class Dispatcher:
         headers: dict[str, str],
         exchange: Exchange,
         task: asyncio.Task[Any],
-        prefill_wait: float = 0.0,
+        beside: DecodeBound | None = None,
     ) -> bool:
         """Relay the decode's answer; True if it was a refusal (4xx). `task`: the one this runs
-        in (its deadlines cancel it); `prefill_wait`: how long the instance may first wait for
-        a prefill running alongside."""
+        in (its deadlines cancel it); `beside`: the bound when a prefill runs alongside (the
+        instance may first wait for it)."""
         settings = self._settings
         loop = task.get_loop()
         started = time.perf_counter()
@@ -535,9 +541,11 @@ class Dispatcher:
         else:
             waiting, limit = "answer", settings.decode_timeout
         with (
-            leg.watch(waiting, limit + prefill_wait),
+            leg.watch(waiting, limit if beside is None else limit + beside.prefill_wait),
             Deadline(self._alarms, task, leg.limit) as deadline,
         ):
+            if beside is not None:
+                beside.waiting(deadline, leg, waiting, limit)
             async with self._upstream.stream(
                 "POST", leg.instance.http_address, request.path, body, headers
             ) as stream:
@@ -556,6 +564,8 @@ class Dispatcher:
                     leg.answered = not self._migration_limit
                     body = await stream.read_all(settings.max_response_bytes)
                     self._first_byte(exchange, started)
+                    if beside is not None:
+                        beside.release()
                     deadline.reschedule(None)
                     leg.succeeded()
                     await exchange.whole(stream.status, stream.content_type, body)
@@ -569,6 +579,8 @@ class Dispatcher:
                 if ledger is None or not ledger.whole:
                     # The client's first token leaves now: the request's time to first token.
                     self._metrics.first_token_sent(time.perf_counter() - exchange.arrived)
+                if beside is not None:
+                    beside.release()
                 deadline.reschedule(None)
                 leg.waiting, leg.limit = "next chunk", settings.stream_idle_timeout
                 if ledger is not None:

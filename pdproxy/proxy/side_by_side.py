@@ -9,6 +9,13 @@ What must not change: a prefill that fails or refuses a request before the decod
 anything still decides the outcome (the decode would only wait for KV that never comes), so the
 decode leg is cancelled (its connection closed, which aborts the request on vLLM) and the
 failure goes to the retry loop, or the refusal to the client, as in the sequential flow.
+
+The decode's bound (`DecodeBound`): it may wait for the prefill, so until the prefill answered
+it is the prefill's limit plus its own; once the prefill answered, the KV is computed and only
+its transfer is left, so from then on the decode has its own limit. A transfer the connector
+drops (vLLM's NixlPushConnector gives up a push whose handshake timed out, and its decode then
+waits for good) fails the leg after that limit, and the retry loop takes it, instead of the
+client waiting out the prefill's limit as well.
 """
 
 from __future__ import annotations
@@ -18,9 +25,55 @@ import logging
 from collections.abc import Callable, Coroutine
 from typing import Any
 
+from pdproxy.http.deadline import Deadline
 from pdproxy.http.upstream import Reply
+from pdproxy.proxy.lease import LegLease
 
 log = logging.getLogger("pdproxy.dispatch")
+
+
+class DecodeBound:
+    """The bound of a decode leg sent beside its prefill (module docstring). The decode leg says
+    when it starts waiting (`waiting`) and when its answer began or it ended (`release`); the
+    prefill leg says when it answered (`prefill_answered`), in either order."""
+
+    __slots__ = ("_deadline", "_leg", "_limit", "_prefilled_at", "_waiting", "prefill_wait")
+
+    def __init__(self, prefill_wait: float) -> None:
+        self.prefill_wait = prefill_wait  # added to the decode's own limit at first
+        self._deadline: Deadline | None = None
+        self._leg: LegLease | None = None
+        self._waiting = ""
+        self._limit = 0.0
+        self._prefilled_at: float | None = None
+
+    def waiting(self, deadline: Deadline, leg: LegLease, waiting: str, limit: float) -> None:
+        """The decode waits for `waiting` under `deadline`; `limit`: its own, without the
+        prefill's."""
+        self._deadline, self._leg, self._waiting, self._limit = deadline, leg, waiting, limit
+        if self._prefilled_at is not None:
+            self._tighten(self._prefilled_at)
+
+    def release(self) -> None:
+        """The decode's answer began, or its leg ended: its bound is no longer this one's to
+        move."""
+        self._deadline = self._leg = None
+
+    def prefill_answered(self, now: float) -> None:
+        """The prefill answered (2xx) at loop time `now`."""
+        self._prefilled_at = now
+        if self._deadline is not None:
+            self._tighten(now)
+
+    def _tighten(self, since: float) -> None:
+        deadline, leg = self._deadline, self._leg
+        assert deadline is not None and leg is not None
+        bound = since + self._limit
+        when = deadline.when()
+        if deadline.expired() or (when is not None and when <= bound):
+            return
+        deadline.reschedule(bound)
+        leg.watch(f"{self._waiting} after the prefill answered", self._limit)
 
 
 async def decode_beside_prefill(

@@ -117,3 +117,52 @@ def test_a_failed_prefill_is_retried_and_its_decode_leg_ends(fleet_factory: Flee
     assert len(events["kv_ok"]) == 2
     assert [e["to"] for e in healthy.events()["kv_sent"]] == [decode.zmq_address] * 2
     assert not broken.events().get("kv_sent")
+
+
+# The decode's own first-byte bound here; the prefill's (20 s) would be added to it if it still
+# counted once the prefill answered.
+DECODE_FIRST_BYTE_S = 1.0
+BOUNDS = [
+    "--connect-timeout",
+    "0.5",
+    "--decode-first-byte-timeout",
+    str(DECODE_FIRST_BYTE_S),
+    "--prefill-timeout",
+    "20",
+    "--max-attempts",
+    "1",
+]
+
+
+def test_once_the_prefill_answered_the_decode_has_only_its_own_bound(
+    fleet_factory: FleetFactory,
+) -> None:
+    # A decode that shows no first byte for 3 s after a prefill that answered at once: what a
+    # push vLLM dropped looks like from the proxy (the decode waits for KV that never comes).
+    fleet = fleet_factory([spec("P", "nixl_push"), spec("D", "nixl_push")], BOUNDS)
+    [decode] = fleet.role("D")
+    set_behaviour(f"http://{decode.http_address}", delay_ms=3000)
+    path, body = completion(stream=True)
+    answer = post_json(fleet.proxy_url + path, body)
+    assert answer.status == 504, answer.body
+    message = answer.json()["error"]["message"]
+    assert "no first byte after the prefill answered within 1s" in message, message
+    assert decode.http_address in message
+    # The proxy closed the decode leg, which vLLM (here the fake) takes as an abort.
+    deadline = time.monotonic() + DECODE_LEG_END_S
+    while not decode.events().get("aborted"):
+        assert time.monotonic() < deadline, decode.events()
+        time.sleep(0.05)
+
+
+def test_the_decode_may_wait_beyond_its_own_bound_while_the_prefill_computes(
+    fleet_factory: FleetFactory,
+) -> None:
+    slow_prefill = spec("P", "nixl_push", prefill_latency_ms=2500.0)
+    fleet = fleet_factory([slow_prefill, spec("D", "nixl_push")], BOUNDS)
+    [prefill], [decode] = fleet.role("P"), fleet.role("D")
+    path, body = completion(stream=True)
+    answer = post_json(fleet.proxy_url + path, body)
+    assert answer.status == 200, answer.body
+    assert [e["to"] for e in prefill.events()["kv_sent"]] == [decode.zmq_address]
+    assert len(decode.events()["kv_ok"]) == 1
