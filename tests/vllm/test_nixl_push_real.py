@@ -30,6 +30,7 @@ from pdproxy.demo.fleet import LocalFleet
 from pdproxy.demo.processes import ManagedProcess, free_ports, wait_until
 from tests.harness.vllm_cpu import VllmServer
 from tests.harness.vllm_env import VllmEnv
+from tests.integration.support import metric_value
 from tests.vllm.test_kv_transfer_real import PROMPTS
 from tests.vllm.test_nixl_real import (
     ENDPOINTS,
@@ -46,6 +47,7 @@ from tests.vllm.test_nixl_real import (
     sidecar,
     spec_value,
     start_both_setups,
+    streamed_chat,
 )
 
 pytestmark = pytest.mark.vllm
@@ -55,11 +57,14 @@ REGISTRATION_TIMEOUT_S = 30.0
 COUNTER_TIMEOUT_S = 15.0  # vLLM publishes connector stats with its next engine step
 CONCURRENT = 4
 PUSH: Final = "NixlPushConnector"
-# A fresh pair's first NIXL push transfer took 30-75 s on a 2-core VM (the whole machine stalled
-# for up to 30 s of it, the proxies and sidecars too), its later ones well under a second. The
-# fixture makes that first transfer with a bound of its own, so that each test's client bound
-# is not spent on NIXL's warm-up and no transfer of a timed-out test lands in the next one's
-# counters.
+# A fresh pair's first NIXL push transfer took 30-75 s on a 2-core VM, its later ones well under
+# a second: both engines spin while it is under way, and the machine starved every process for
+# seconds at a time. vLLM's prefill gives the prefill->decode NIXL handshake 5 s to answer; when
+# it does not, vLLM drops the push for good and its decode waits forever. The fixture makes that
+# first transfer, streamed, with a bound of its own: a dropped push is then the proxy's to
+# recover (the decode's first-byte bound, counted from the prefill's answer, fails the leg and
+# the request is retried, with a new handshake), and each test's client bound is not spent on
+# NIXL's warm-up, nor does a late transfer land in the next test's counters.
 WARM_UP_TIMEOUT_S = 300.0
 
 
@@ -116,10 +121,12 @@ def warm_up(fleet: PushFleet) -> None:
     """The pair's first push transfer, through the static proxy, counted before any test."""
     before = PushCounters.of(fleet)
     started = time.monotonic()
-    api = client(fleet.proxies["static"].proxy_url, WARM_UP_TIMEOUT_S)
-    answer = complete(api, PROMPTS["multi_block"])
+    proxy_url = fleet.proxies["static"].proxy_url
+    answer = streamed_chat(client(proxy_url, WARM_UP_TIMEOUT_S), PROMPTS["multi_block"])
     moved_since(fleet, before, [answer])
-    print(f"\nthe pair's first NIXL push transfer: {time.monotonic() - started:.1f} s")
+    retries = metric_value(proxy_url, "pdproxy_retries_total")
+    took = time.monotonic() - started
+    print(f"\nthe pair's first NIXL push transfer: {took:.1f} s, {retries:g} retries")
 
 
 @dataclass(frozen=True)
