@@ -545,7 +545,7 @@ class Dispatcher:
             Deadline(self._alarms, task, leg.limit) as deadline,
         ):
             if beside is not None:
-                beside.waiting(deadline, leg, waiting, limit)
+                beside.waiting(deadline, leg, limit)
             async with self._upstream.stream(
                 "POST", leg.instance.http_address, request.path, body, headers
             ) as stream:

@@ -37,20 +37,19 @@ class DecodeBound:
     when it starts waiting (`waiting`) and when its answer began or it ended (`release`); the
     prefill leg says when it answered (`prefill_answered`), in either order."""
 
-    __slots__ = ("_deadline", "_leg", "_limit", "_prefilled_at", "_waiting", "prefill_wait")
+    __slots__ = ("_deadline", "_leg", "_limit", "_prefilled_at", "prefill_wait")
 
     def __init__(self, prefill_wait: float) -> None:
         self.prefill_wait = prefill_wait  # added to the decode's own limit at first
         self._deadline: Deadline | None = None
         self._leg: LegLease | None = None
-        self._waiting = ""
         self._limit = 0.0
         self._prefilled_at: float | None = None
 
-    def waiting(self, deadline: Deadline, leg: LegLease, waiting: str, limit: float) -> None:
-        """The decode waits for `waiting` under `deadline`; `limit`: its own, without the
-        prefill's."""
-        self._deadline, self._leg, self._waiting, self._limit = deadline, leg, waiting, limit
+    def waiting(self, deadline: Deadline, leg: LegLease, limit: float) -> None:
+        """The decode leg waits (for what `leg.waiting` says) under `deadline`; `limit`: its
+        own, without the prefill's."""
+        self._deadline, self._leg, self._limit = deadline, leg, limit
         if self._prefilled_at is not None:
             self._tighten(self._prefilled_at)
 
@@ -73,7 +72,7 @@ class DecodeBound:
         if deadline.expired() or (when is not None and when <= bound):
             return
         deadline.reschedule(bound)
-        leg.watch(f"{self._waiting} after the prefill answered", self._limit)
+        leg.watch(f"{leg.waiting} after the prefill answered", self._limit)
 
 
 async def decode_beside_prefill(

@@ -146,7 +146,8 @@ def test_once_the_prefill_answered_the_decode_has_only_its_own_bound(
     answer = post_json(fleet.proxy_url + path, body)
     assert answer.status == 504, answer.body
     message = answer.json()["error"]["message"]
-    assert "no first byte after the prefill answered within 1s" in message, message
+    expected = f"no first byte after the prefill answered within {DECODE_FIRST_BYTE_S:g}s"
+    assert expected in message, message
     assert decode.http_address in message
     # The proxy closed the decode leg, which vLLM (here the fake) takes as an abort.
     deadline = time.monotonic() + DECODE_LEG_END_S
