@@ -34,11 +34,6 @@ STOP_GRACE_S = 10.0
 MODEL_WRITE_TIMEOUT_S = 120.0
 MAX_MODEL_LEN = 2048
 KV_CACHE_BYTES = 64 * 1024 * 1024  # the tiny model needs 1 KiB per token: 64 Ki tokens
-# How long a NIXL prefill keeps a request's KV for its decode (vLLM's default: 30 s). The test
-# machine stalls every process for up to 31 s at times under the NIXL tests; with the default,
-# a prefill resuming from such a stall found the lease run out and freed the KV, and the decode
-# then waited for good.
-NIXL_KV_LEASE_S = 90
 
 KvRole = Literal["kv_producer", "kv_consumer", "kv_both"]
 
@@ -136,7 +131,6 @@ class VllmServer:
                 "kv_connector": self.kv_connector,
                 "kv_role": self.kv_role,
                 "kv_buffer_device": "cpu",
-                "kv_connector_extra_config": {"kv_lease_duration": NIXL_KV_LEASE_S},
             }
             if self.engine_id is not None:
                 config["engine_id"] = self.engine_id
