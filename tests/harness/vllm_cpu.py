@@ -84,7 +84,8 @@ class VllmServer:
     registry: str | None = None  # "host:port" of the pdproxy registry to announce to
     cpu: str = "0"  # VLLM_CPU_OMP_THREADS_BIND ("0|1": rank 0 on core 0, rank 1 on core 1)
     announce_interval_s: float = 1.0
-    connector_extra: dict[str, Any] = field(default_factory=dict)  # kv_timeout, on_missing_kv...
+    # kv_connector_extra_config: pdproxy's (kv_timeout, on_missing_kv...) or NIXL's
+    connector_extra: dict[str, Any] = field(default_factory=dict)
     block_size: int | None = None  # vLLM's own default (128 on CPU) when None
     tp_size: int = 1  # ranks in worker processes; `cpu` then names one core list per rank
     # None: the connector picks the address itself (the local end of its route to the registry).
@@ -134,6 +135,8 @@ class VllmServer:
             }
             if self.engine_id is not None:
                 config["engine_id"] = self.engine_id
+            if self.connector_extra:
+                config["kv_connector_extra_config"] = dict(self.connector_extra)
             return config
         extra: dict[str, Any] = {
             "http_port": self.http_port,

@@ -54,7 +54,7 @@ pytestmark = pytest.mark.vllm
 
 ENGINE_ID = "pdproxy-push-prefill"
 REGISTRATION_TIMEOUT_S = 30.0
-COUNTER_TIMEOUT_S = 15.0  # vLLM publishes connector stats with its next engine step
+COUNTER_TIMEOUT_S = 120.0  # vLLM publishes connector stats with its next step; a stall delays it
 CONCURRENT = 4
 PUSH: Final = "NixlPushConnector"
 # A fresh pair's first NIXL push transfer took 30-75 s on a 2-core VM, its later ones well under
@@ -66,6 +66,19 @@ PUSH: Final = "NixlPushConnector"
 # the request is retried, with a new handshake), and each test's client bound is not spent on
 # NIXL's warm-up, nor does a late transfer land in the next test's counters.
 WARM_UP_TIMEOUT_S = 300.0
+# While a push is under way, both engines' worker threads and NIXL's progress threads spin; on
+# CPU, vLLM's NIXL worker also moves its model thread onto the last core, which the decode's
+# threads are bound to. There, the test machine's kernel left threads unscheduled for 10-100 s
+# at a time (its own RCU-stall warnings said so). vLLM's prefill frees a request's KV once its
+# lease (vLLM's default: 30 s, renewed by the decode's heartbeats) ran out, and the decode then
+# waits for good: with a 30 s stall, two of the concurrent test's requests were lost that way.
+# The lease and the client's bound are made longer than any stall seen, so a stall delays an
+# answer instead of losing it; the module's tests kill nothing, so no KV is held for a decode
+# that is gone. The proxy's own bounds stay at their defaults: a lost push of a streamed request
+# is retried after its first-byte bound (120 s from the prefill's answer), within the client's.
+KV_LEASE_S = 300
+CLIENT_TIMEOUT_S = 300.0
+LEASE: Final = {"kv_lease_duration": KV_LEASE_S}
 
 
 @dataclass
@@ -105,8 +118,18 @@ def push_fleet(
         cpu="0",
         kv_connector=PUSH,
         engine_id=ENGINE_ID,
+        connector_extra=LEASE,
     )
-    decode = VllmServer("push-D", "kv_consumer", d_http, d_side, work, cpu="1", kv_connector=PUSH)
+    decode = VllmServer(
+        "push-D",
+        "kv_consumer",
+        d_http,
+        d_side,
+        work,
+        cpu="1",
+        kv_connector=PUSH,
+        connector_extra=LEASE,
+    )
     specs = ["--prefill", static_spec(prefill, True), "--decode", static_spec(decode, False)]
     with ExitStack() as stack:
         proxies = start_both_setups(
@@ -185,9 +208,9 @@ def test_answer_through_nixl_push_is_the_decodes_own(
     through_proxy, directly = ENDPOINTS[endpoint]
     prompt = PROMPTS["multi_block"]
     before = PushCounters.of(push_fleet)
-    through = through_proxy(client(proxy.proxy_url), prompt)
+    through = through_proxy(client(proxy.proxy_url, CLIENT_TIMEOUT_S), prompt)
     moved = moved_since(push_fleet, before, [through])
-    own = directly(client(push_fleet.decode.url), prompt)
+    own = directly(client(push_fleet.decode.url, CLIENT_TIMEOUT_S), prompt)
     assert_same(through, own, f"{setup} {endpoint}")
     check_counters(moved, [through], f"{setup} {endpoint}, {through.prompt_tokens} prompt tokens")
 
@@ -199,9 +222,11 @@ def test_concurrent_requests_each_get_their_own_answer(push_fleet: PushFleet) ->
     prompts = [" ".join([f"w{i}", *words[1:]]) for i in range(CONCURRENT)]
     before = PushCounters.of(push_fleet)
     with ThreadPoolExecutor(CONCURRENT) as pool:
-        through = list(pool.map(lambda p: complete(client(proxy.proxy_url), p), prompts))
+        through = list(
+            pool.map(lambda p: complete(client(proxy.proxy_url, CLIENT_TIMEOUT_S), p), prompts)
+        )
     moved = moved_since(push_fleet, before, through)
-    own = [complete(client(push_fleet.decode.url), prompt) for prompt in prompts]
+    own = [complete(client(push_fleet.decode.url, CLIENT_TIMEOUT_S), prompt) for prompt in prompts]
     for index, (mine, theirs) in enumerate(zip(through, own, strict=True)):
         assert_same(mine, theirs, f"concurrent #{index}")
     # The equality means something: different prompts give different answers.
