@@ -68,7 +68,7 @@ PUSH: Final = "NixlPushConnector"
 WARM_UP_TIMEOUT_S = 300.0
 # While a push is under way, both engines' worker threads and NIXL's progress threads spin; on
 # CPU, vLLM's NIXL worker also moves its model thread onto the last core, which the decode's
-# threads are bound to. There, the test machine's kernel left threads unscheduled for 10-100 s
+# threads are bound to. There, the test machine's kernel left threads unscheduled for 10-195 s
 # at a time (its own RCU-stall warnings said so). vLLM's prefill frees a request's KV once its
 # lease (vLLM's default: 30 s, renewed by the decode's heartbeats) ran out, and the decode then
 # waits for good: with a 30 s stall, two of the concurrent test's requests were lost that way.
