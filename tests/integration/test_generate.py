@@ -203,6 +203,9 @@ def test_a_prefill_that_refuses_connections_is_retried_on_another(
     fleet = fleet_factory([WorkerSpec("P"), WorkerSpec("P"), WorkerSpec("D")], ROUND_ROBIN)
     dead, alive = fleet.role("P")
     dead.process.signal(signal.SIGKILL)  # no `leave`: still registered, its port refuses
+    # Refuses once it is gone: until then the kernel still queues connections on its socket, and
+    # the proxy's attempt is reset instead of refused (seen on a loaded machine).
+    wait_until(lambda: not dead.process.alive(), 10, "the killed prefill to exit")
     for i in range(2):  # round robin: one of the two starts on the dead prefill
         answer = post_json(fleet.proxy_url + GENERATE, generate_body(10 + i))
         assert answer.status == 200, answer.body
