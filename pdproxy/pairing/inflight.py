@@ -43,7 +43,8 @@ class Report:
     own_requests: float
 
 
-Listener = Callable[[Address], None]
+# Told the instance and its own legs there now (the Busy is read-only to listeners).
+Listener = Callable[[Address, Busy], None]
 
 
 class InFlight:
@@ -63,15 +64,18 @@ class InFlight:
     def get(self, address: Address) -> Busy:
         return self._busy.get(address, _IDLE)
 
-    def add(self, address: Address, tokens: int) -> None:
+    def add(self, address: Address, tokens: int) -> Busy:
+        """Count a leg in; returns the instance's own legs now (read-only)."""
         busy = self._busy.get(address)
         if busy is None:
             busy = self._busy[address] = Busy()
         busy.requests += 1
         busy.tokens += tokens
-        self._notify(address)
+        self._notify(address, busy)
+        return busy
 
-    def remove(self, address: Address, tokens: int) -> None:
+    def remove(self, address: Address, tokens: int) -> Busy:
+        """Count a leg out; returns the instance's own legs now (read-only)."""
         busy = self._busy.get(address)
         if busy is None:
             raise ValueError(f"no leg in flight on {address}")
@@ -80,7 +84,9 @@ class InFlight:
         if busy.requests == 0:
             # Bounded by what is in flight, not by every instance ever seen.
             del self._busy[address]
-        self._notify(address)
+            busy = _IDLE
+        self._notify(address, busy)
+        return busy
 
     def total_requests(self) -> int:
         return sum(busy.requests for busy in self._busy.values())
@@ -119,8 +125,9 @@ class InFlight:
         """A prefill announced its work: what is not the own legs there now is the other
         replicas' and clients'. The boards that hold the instance rescore it at once, with no
         rebuild: reports come every few milliseconds."""
-        self._work[address] = float(max(0, prefill_tokens - self.get(address).tokens))
-        self._notify(address)
+        busy = self.get(address)
+        self._work[address] = float(max(0, prefill_tokens - busy.tokens))
+        self._notify(address, busy)
 
     def others_work(self, address: Address, load: Load | None) -> float | None:
         """The prefill work beyond the own legs: the latest announcement's as it arrived,
@@ -144,6 +151,8 @@ class InFlight:
         self._listeners.clear()
         self._listener_count = 0
 
-    def _notify(self, address: Address) -> None:
+    def _notify(self, address: Address, busy: Busy) -> None:
+        # Handed the Busy: a listener would otherwise look it up again (a request's legs start
+        # and end four times; docs/performance.md, "Calls on the request path").
         for listener in self._listeners.get(address, ()):
-            listener(address)
+            listener(address, busy)

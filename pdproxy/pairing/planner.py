@@ -486,16 +486,16 @@ class Planner:
         return self._build_index(without(snapshot, left_out), live=False).members(role, model)
 
     def release(self, address: Address, tokens: int) -> None:
-        self.inflight.remove(address, tokens)
-        if self._full and self.inflight.get(address).requests < self._instance_cap:
+        busy = self.inflight.remove(address, tokens)
+        if self._full and busy.requests < self._instance_cap:
             name = str(address)
             if name in self._full:
                 self._full = self._full - {name}
 
     def _add(self, address: Address, tokens: int) -> None:
-        self.inflight.add(address, tokens)
+        busy = self.inflight.add(address, tokens)
         cap = self._instance_cap
-        if cap and self.inflight.get(address).requests >= cap:
+        if cap and busy.requests >= cap:
             self._full = self._full | {str(address)}
 
 

@@ -151,8 +151,9 @@ class ScoreBoard:
     def value_of(self, position: int) -> float:
         return self.values[position]
 
-    def changed(self, address: Address) -> None:
-        """InFlight listener: rescore one candidate, if it is one of ours."""
+    def changed(self, address: Address, busy: Busy) -> None:
+        """InFlight listener: rescore one candidate, if it is one of ours; `busy`: its own legs
+        now."""
         position = self._positions.get(address)
         if position is None:
             return
@@ -161,7 +162,7 @@ class ScoreBoard:
             self.others[position] = (
                 self._inflight.others_work(address, self.instances[position].load) or 0.0
             )
-        new = self._own(self._inflight.get(address)) + self.others[position]
+        new = self._own(busy) + self.others[position]
         self.total += new - values[position]
         values[position] = new
         best = self._best

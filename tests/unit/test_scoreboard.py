@@ -13,6 +13,7 @@ from __future__ import annotations
 
 import math
 import random
+from collections.abc import Callable
 
 import pytest
 from hypothesis import given, settings
@@ -189,11 +190,16 @@ def test_remove_of_an_idle_address_raises() -> None:
     assert inflight.total_requests() == 0
 
 
+def hear(into: list[Address]) -> Callable[[Address, Busy], None]:
+    """A listener that notes the addresses it is told of."""
+    return lambda address, busy: into.append(address)
+
+
 def test_failed_remove_changes_nothing_and_notifies_nobody() -> None:
     inflight = InFlight()
     heard: list[Address] = []
     inflight.add(addr(2), 9)
-    inflight.listen((addr(1), addr(2)), heard.append)
+    inflight.listen((addr(1), addr(2)), hear(heard))
     with pytest.raises(ValueError):
         inflight.remove(addr(1), 1)
     assert heard == []
@@ -204,8 +210,8 @@ def test_listeners_hear_every_change_in_order_until_cleared() -> None:
     inflight = InFlight()
     first: list[Address] = []
     second: list[Address] = []
-    inflight.listen((addr(1), addr(2), addr(3)), first.append)
-    inflight.listen((addr(1), addr(2), addr(3)), second.append)
+    inflight.listen((addr(1), addr(2), addr(3)), hear(first))
+    inflight.listen((addr(1), addr(2), addr(3)), hear(second))
     inflight.add(addr(1), 1)
     inflight.add(addr(2), 1)
     inflight.remove(addr(1), 1)
@@ -220,8 +226,8 @@ def test_listeners_hear_only_the_addresses_they_hold() -> None:
     inflight = InFlight()
     odd: list[Address] = []
     even: list[Address] = []
-    inflight.listen((addr(1), addr(3)), odd.append)
-    inflight.listen([addr(2)], even.append)
+    inflight.listen((addr(1), addr(3)), hear(odd))
+    inflight.listen([addr(2)], hear(even))
     for n in (1, 2, 3, 4):
         inflight.add(addr(n), 1)
     for n in (4, 3, 2, 1):
@@ -233,8 +239,8 @@ def test_listeners_hear_only_the_addresses_they_hold() -> None:
 def test_listeners_on_a_shared_address_all_hear_it_in_listen_order() -> None:
     inflight = InFlight()
     heard: list[tuple[str, Address]] = []
-    inflight.listen((addr(1), addr(2)), lambda a: heard.append(("a", a)))
-    inflight.listen((addr(2), addr(3)), lambda a: heard.append(("b", a)))
+    inflight.listen((addr(1), addr(2)), lambda a, busy: heard.append(("a", a)))
+    inflight.listen((addr(2), addr(3)), lambda a, busy: heard.append(("b", a)))
     inflight.add(addr(2), 1)
     inflight.add(addr(3), 1)
     inflight.add(addr(1), 1)
@@ -244,7 +250,7 @@ def test_listeners_on_a_shared_address_all_hear_it_in_listen_order() -> None:
 def test_listen_takes_any_iterable_of_addresses_once() -> None:
     inflight = InFlight()
     heard: list[Address] = []
-    inflight.listen((addr(n) for n in (5, 6)), heard.append)  # a generator, as Candidates does
+    inflight.listen((addr(n) for n in (5, 6)), hear(heard))  # a generator, as Candidates does
     inflight.add(addr(6), 1)
     inflight.add(addr(5), 1)
     inflight.add(addr(7), 1)
@@ -254,16 +260,16 @@ def test_listen_takes_any_iterable_of_addresses_once() -> None:
 def test_listener_count_counts_listen_calls_since_the_last_clear() -> None:
     inflight = InFlight()
     assert inflight.listener_count() == 0
-    inflight.listen((addr(1), addr(2), addr(3)), lambda a: None)  # one call, three addresses
+    inflight.listen((addr(1), addr(2), addr(3)), lambda a, busy: None)  # one call, three addresses
     assert inflight.listener_count() == 1
-    inflight.listen([], lambda a: None)  # a listener of nothing is still a listen call
+    inflight.listen([], lambda a, busy: None)  # a listener of nothing is still a listen call
     assert inflight.listener_count() == 2
-    inflight.listen([addr(1)], lambda a: None)
+    inflight.listen([addr(1)], lambda a, busy: None)
     assert inflight.listener_count() == 3
     inflight.clear_listeners()
     assert inflight.listener_count() == 0
     heard: list[Address] = []
-    inflight.listen([addr(1)], heard.append)
+    inflight.listen([addr(1)], hear(heard))
     assert inflight.listener_count() == 1
     inflight.add(addr(1), 1)
     assert heard == [addr(1)]  # listening again after a clear works
@@ -273,8 +279,9 @@ def test_listener_sees_the_count_after_the_change() -> None:
     inflight = InFlight()
     seen: list[Busy] = []
 
-    def record(a: Address) -> None:
-        seen.append(Busy(inflight.get(a).requests, inflight.get(a).tokens))
+    def record(a: Address, busy: Busy) -> None:
+        assert busy == inflight.get(a)  # what it is handed is the count now
+        seen.append(Busy(busy.requests, busy.tokens))
 
     inflight.listen([addr(1)], record)
     inflight.add(addr(1), 10)
@@ -581,7 +588,7 @@ def test_a_board_alone_does_not_listen() -> None:
     assert inflight.listener_count() == 0
     inflight.add(addr(1), 0)
     assert board.values == [0.0]  # Candidates wires boards to InFlight, not the board itself
-    board.changed(addr(1))
+    board.changed(addr(1), inflight.get(addr(1)))
     assert board.values == [1.0]
 
 
@@ -627,7 +634,7 @@ def test_board_ignores_addresses_it_does_not_hold() -> None:
         inflight.add(addr(9), 100)
     assert board.values == [0.0, 0.0]
     assert board.total == 0.0
-    board.changed(addr(42))  # never seen at all
+    board.changed(addr(42), inflight.get(addr(42)))  # never seen at all
     assert board.values == [0.0, 0.0]
 
 
