@@ -48,6 +48,9 @@ Message = dict[str, Any]
 # scope["extensions"][DISCONNECT_HOOK](callback): callback() runs once if the client leaves
 # before the response is complete (never after). Lets the hot path skip a watcher task.
 DISCONNECT_HOOK = "pdproxy.on_disconnect"
+# scope["extensions"][BODY_RECEIVED] is True if the whole body had arrived when the application
+# was called: reading it cannot wait, so it needs no bound (docs/performance.md, "Alarms").
+BODY_RECEIVED = "pdproxy.body_received"
 
 # Past this much unread request body, reading pauses until the application takes it.
 READ_HIGH_WATER = 65536
@@ -628,6 +631,8 @@ class _Cycle:
         self._head_only = scope["method"] == "HEAD"
 
     async def run(self, app: Any) -> None:
+        if not self.more_body:
+            self.scope["extensions"][BODY_RECEIVED] = True
         try:
             await app(self.scope, self.receive, self.send)
         except BaseException as exc:

@@ -13,7 +13,7 @@ import contextlib
 from dataclasses import dataclass
 from typing import Any
 
-from pdproxy.http.server_protocol import DISCONNECT_HOOK
+from pdproxy.http.server_protocol import BODY_RECEIVED, DISCONNECT_HOOK
 from pdproxy.proxy.error_shapes import OPENAI_SHAPE, ErrorShape
 from pdproxy.proxy.errors import ProxyError
 from pdproxy.proxy.migration_stream import StreamLedger
@@ -154,6 +154,12 @@ class Exchange:
             parts.append(chunk)
         self.body_read = True
         return b"".join(parts)
+
+    def body_received(self) -> bool:
+        """Whether the server had the whole body when the request began (pdproxy's own server
+        says so): read_body then cannot wait."""
+        extensions = self._scope.get("extensions")
+        return bool(extensions and extensions.get(BODY_RECEIVED))
 
     def watch_disconnect(self) -> None:
         """From now on, a client disconnect cancels the request's task (call after read_body).

@@ -19,7 +19,12 @@ from typing import Any
 
 import pytest
 
-from pdproxy.http.server_protocol import DISCONNECT_HOOK, MAX_HEAD_BYTES, MAX_PIPELINED
+from pdproxy.http.server_protocol import (
+    BODY_RECEIVED,
+    DISCONNECT_HOOK,
+    MAX_HEAD_BYTES,
+    MAX_PIPELINED,
+)
 from tests.integration.http_harness import (
     Recorder,
     Served,
@@ -70,6 +75,14 @@ def _app(recorder: Recorder) -> Any:
         if path == "/headers":  # the request's header fields, one "name: value" a line
             body = await _read_all(receive)
             answer = b"".join(b"%s: %s\n" % pair for pair in scope["headers"]) + b"|" + body
+            headers = [(b"content-length", b"%d" % len(answer))]
+            await send({"type": "http.response.start", "status": 200, "headers": headers})
+            await send({"type": "http.response.body", "body": answer})
+            return
+        if path == "/body-received":  # what the server said of the body when the app began
+            said = scope["extensions"].get(BODY_RECEIVED)
+            body = await _read_all(receive)
+            answer = b"%r|%s" % (said, body)
             headers = [(b"content-length", b"%d" % len(answer))]
             await send({"type": "http.response.start", "status": 200, "headers": headers})
             await send({"type": "http.response.body", "body": answer})
@@ -207,6 +220,19 @@ def test_answer_with_known_length_leaves_in_one_segment(served: Served) -> None:
         answer = read_response(sock)
         assert answer.endswith(b"\r\n\r\nPOST /echo |hi")
         assert served.writes == [answer]  # head and body in one write: one system call
+
+
+def test_a_body_that_came_with_its_head_is_reported_received(served: Served) -> None:
+    head = b"POST /body-received HTTP/1.1\r\nHost: x\r\nContent-Length: 4\r\n\r\n"
+    with served.raw() as sock:
+        sock.sendall(head + b"abcd")
+        assert read_response(sock).endswith(b"\r\n\r\nTrue|abcd")
+        # The head alone first: the application begins before its body is in, and is told
+        # nothing (it must bound its wait for the body itself).
+        sock.sendall(head)
+        time.sleep(0.3)
+        sock.sendall(b"efgh")
+        assert read_response(sock).endswith(b"\r\n\r\nNone|efgh")
 
 
 def test_percent_encoded_path_is_decoded(served: Served) -> None:
