@@ -303,8 +303,11 @@ class HttpProtocol(asyncio.Protocol):
     def on_header(self, name: bytes, value: bytes) -> None:
         if not self._in_head:
             return  # a chunked body's trailer field: not a header of the request, dropped
-        # ": " and the line end count too, so that empty fields are not free.
-        self._count_head(len(name) + len(value) + 4)
+        # ": " and the line end count too, so that empty fields are not free. (_count_head's
+        # work inline: a call less per header field.)
+        self._head_bytes += len(name) + len(value) + 4
+        if self._head_bytes > MAX_HEAD_BYTES:
+            raise _head_too_large()
         if len(self._headers) >= MAX_HEADERS:
             raise _HeadTooLarge(f"more than {MAX_HEADERS} header fields")
         name = name.lower()
@@ -315,8 +318,7 @@ class HttpProtocol(asyncio.Protocol):
     def _count_head(self, size: int) -> None:
         self._head_bytes += size
         if self._head_bytes > MAX_HEAD_BYTES:
-            # Raised inside a parser callback: the parser fails, and the request gets a 431.
-            raise _HeadTooLarge(f"request head larger than {MAX_HEAD_BYTES} bytes")
+            raise _head_too_large()
 
     def on_headers_complete(self) -> None:
         self._head_began = None
@@ -549,6 +551,11 @@ class HttpProtocol(asyncio.Protocol):
 
 class _HeadTooLarge(ValueError):
     """A request head out of bounds: answered 431, not 400."""
+
+
+def _head_too_large() -> _HeadTooLarge:
+    # Raised inside a parser callback: the parser fails, and the request gets a 431.
+    return _HeadTooLarge(f"request head larger than {MAX_HEAD_BYTES} bytes")
 
 
 class _BodyOnly:
