@@ -93,6 +93,8 @@ class _Connection(asyncio.Protocol):
         # One parser for the connection's life: a pooled connection is only reused after a
         # whole keep-alive answer, where the parser is ready for the next one.
         self._parser = httptools.HttpResponseParser(self)
+        # Kept across exchanges: a connection is only reused once its answer was read whole.
+        self._chunks: deque[bytes] = deque()
         self._reset_exchange()
 
     def _reset_exchange(self) -> None:
@@ -105,11 +107,11 @@ class _Connection(asyncio.Protocol):
         self._until_close = True  # neither Content-Length nor chunked: body ends at EOF
         self._keep_alive = True
         self._error: UpstreamError | None = None
-        self._chunks: deque[bytes] = deque()
         self.held = 0  # bytes queued in _chunks plus the piece last handed out
         self._handed = 0  # the size of that piece: held until the next call for a piece
         self._paused = False
         self._waiter: asyncio.Future[None] | None = None
+        self._news = False  # the parser found something in the read under way: wake after it
         self.received_any = False
 
     # -- asyncio.Protocol ---------------------------------------------------------------------
@@ -133,6 +135,12 @@ class _Connection(asyncio.Protocol):
         except httptools.HttpParserError as exc:
             self._fail(UpstreamError(Transport.PROTOCOL, f"malformed HTTP answer: {exc}"))
             self.close()
+            return
+        if self._news:
+            # One wake per read, whatever the parser found in it (a head, body and end often
+            # come in one): docs/performance.md, "Calls on the request path".
+            self._news = False
+            self._wake()
 
     def connection_lost(self, exc: Exception | None) -> None:
         self.closed = True
@@ -159,8 +167,7 @@ class _Connection(asyncio.Protocol):
         self._keep_alive = self._parser.should_keep_alive()
         if self.status in (204, 304) or 100 <= self.status < 200:
             self._until_close = False
-        self._headers_done = True
-        self._wake()
+        self._headers_done = self._news = True
 
     def on_body(self, body: bytes) -> None:
         self._chunks.append(body)
@@ -168,11 +175,10 @@ class _Connection(asyncio.Protocol):
         if self.held > HIGH_WATER and not self._paused and self._transport is not None:
             self._paused = True
             self._transport.pause_reading()
-        self._wake()
+        self._news = True
 
     def on_message_complete(self) -> None:
-        self._complete = True
-        self._wake()
+        self._complete = self._news = True
 
     # -- the exchange ------------------------------------------------------------------------
 
@@ -528,7 +534,10 @@ class _StreamCall:
                 connection.close()
             else:
                 connection.recycle(upstream._loop.time())
-                upstream._pools.setdefault(self._address, _Pool()).idle.append(connection)
+                pool = upstream._pools.get(self._address)
+                if pool is None:  # not setdefault: that would make a pool per exchange
+                    pool = upstream._pools[self._address] = _Pool()
+                pool.idle.append(connection)
         finally:
             upstream._slots.give_back()
 
