@@ -338,16 +338,14 @@ class Planner:
         self._allow_unknown_geometry = allow_unknown_geometry
         self._kv_capacity_tokens = kv_capacity_tokens
         self._instance_cap = instance_cap
-        self._full: frozenset[str] = frozenset()
+        # Instances holding `instance_cap` legs: they take no more until one ends. Replaced,
+        # never changed in place; read it, do not set it (an attribute, not a property: it is
+        # read three times per request).
+        self.full: frozenset[str] = frozenset()
         self._prefill_ticket = first_ticket
         self._decode_ticket = first_ticket
         self._index: FleetIndex | None = None
         self._index_source: tuple[Snapshot, frozenset[str]] | None = None
-
-    @property
-    def full(self) -> frozenset[str]:
-        """Instances holding `instance_cap` legs: they take no more until one ends."""
-        return self._full
 
     def index(self, snapshot: Snapshot, excluded: frozenset[str] = frozenset()) -> FleetIndex:
         source = self._index_source
@@ -487,16 +485,16 @@ class Planner:
 
     def release(self, address: Address, tokens: int) -> None:
         busy = self.inflight.remove(address, tokens)
-        if self._full and busy.requests < self._instance_cap:
+        if self.full and busy.requests < self._instance_cap:
             name = str(address)
-            if name in self._full:
-                self._full = self._full - {name}
+            if name in self.full:
+                self.full = self.full - {name}
 
     def _add(self, address: Address, tokens: int) -> None:
         busy = self.inflight.add(address, tokens)
         cap = self._instance_cap
         if cap and busy.requests >= cap:
-            self._full = self._full | {str(address)}
+            self.full = self.full | {str(address)}
 
 
 def without(snapshot: Snapshot, excluded: frozenset[str]) -> Snapshot:

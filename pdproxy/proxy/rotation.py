@@ -51,6 +51,9 @@ class Rotation:
         self._admission = admission
         self.metrics = metrics  # the legs' leases count with it too
         self._clock = clock
+        # The time legs are stamped with when they begin (the clock itself, not a method
+        # calling it: two legs per request).
+        self.now: Callable[[], float] = clock
         # Instances an operator drained: no new legs; those in flight finish.
         self.drained: frozenset[str] = frozenset()
         self._capacity_freed = asyncio.Event()
@@ -156,10 +159,6 @@ class Rotation:
             # Wake every waiter: each plans again (bounded by the queue's size).
             self._capacity_freed.set()
             self._capacity_freed = asyncio.Event()
-
-    def now(self) -> float:
-        """The time legs are stamped with when they begin."""
-        return self._clock()
 
     def succeeded(self, role: Role, instance: Instance, began: float) -> None:
         self._outliers.success(instance.name, role, self._clock(), began)
