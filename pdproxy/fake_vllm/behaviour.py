@@ -22,6 +22,9 @@ class Behaviour:
     drop_after_chunks: int | None = None
     # Send a whole answer's headers and half its body, then cut the connection.
     truncate_whole: bool = False
+    # A stream answers 200, then (after a chat answer's role-only events) this error as vLLM
+    # sends a failure after its status: {"code": int, "message": str}, then [DONE].
+    stream_error: dict[str, Any] | None = None
 
     def response(self) -> web.Response:
         """The injected answer: `error_body` verbatim (a string as raw text), else vLLM-shaped."""
@@ -41,6 +44,7 @@ class Behaviour:
             "delay_ms": delay_ms,
             "drop_after_chunks": self.drop_after_chunks,
             "truncate_whole": self.truncate_whole,
+            "stream_error": self.stream_error,
         }
 
 
@@ -64,4 +68,14 @@ def parse_behaviour(body: dict[str, Any]) -> Behaviour:
     truncate = body.get("truncate_whole", False)
     if not isinstance(truncate, bool):
         raise ApiError(400, "truncate_whole must be a boolean", "truncate_whole")
-    return Behaviour(status, body.get("error_body"), delay_s, drop, truncate)
+    stream_error = body.get("stream_error")
+    if stream_error is not None and not (
+        isinstance(stream_error, dict)
+        and isinstance(stream_error.get("code"), int)
+        and not isinstance(stream_error.get("code"), bool)
+        and isinstance(stream_error.get("message"), str)
+    ):
+        raise ApiError(
+            400, "stream_error must be {code: integer, message: string} or null", "stream_error"
+        )
+    return Behaviour(status, body.get("error_body"), delay_s, drop, truncate, stream_error)

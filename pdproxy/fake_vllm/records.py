@@ -24,6 +24,7 @@ EVENT_NAMES = (
     "computed_locally",
     "aborted",
     "completed",
+    "stream_error",  # a stream answered 200, then an injected error event (Behaviour)
 )
 KV_FAILURE_REASONS = (
     "send_timeout",  # p2p_nccl prefill: the push could not be queued in time

@@ -19,6 +19,15 @@ def sse(obj: Any) -> bytes:
     return f"data: {json.dumps(obj, separators=(',', ':'))}\n\n".encode()
 
 
+def stream_error_event(error: dict[str, Any]) -> bytes:
+    """vLLM's event for a request that failed after its 200 status (json.dumps, as vLLM
+    writes it: with spaces)."""
+    code = error["code"]
+    kind = "InternalServerError" if code >= 500 else "BadRequestError"
+    body = {"error": {"message": error["message"], "type": kind, "param": None, "code": code}}
+    return f"data: {json.dumps(body)}\n\n".encode()
+
+
 def finish_reason(step: int, generation: Generation) -> str | None:
     # Token-in/token-out generations always run to max_tokens.
     return "length" if step == generation.max_tokens - 1 else None

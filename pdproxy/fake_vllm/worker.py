@@ -45,7 +45,7 @@ from pdproxy.fake_vllm.load import LoadTracker, Share, vllm_metrics_text
 from pdproxy.fake_vllm.passthrough import Echo
 from pdproxy.fake_vllm.records import RecordedRequest, Records
 from pdproxy.fake_vllm.responses import Envelope, full_response, tokens_response
-from pdproxy.fake_vllm.streaming import SSE_DONE
+from pdproxy.fake_vllm.streaming import SSE_DONE, stream_error_event
 
 MAX_BODY_BYTES = 64 * 1024 * 1024
 
@@ -184,7 +184,9 @@ class FakeWorker:
             drop = behaviour.drop_after_chunks
             if generation.stream:
                 # Like vLLM, a streamed answer carries no kv_transfer_params.
-                return await self._stream(request, env, generation, recorded, share, drop)
+                return await self._stream(
+                    request, env, generation, recorded, share, drop, behaviour.stream_error
+                )
             if drop == 0:
                 _cut(request)
                 self.records.add_abort(recorded)
@@ -224,10 +226,13 @@ class FakeWorker:
         recorded: RecordedRequest,
         share: Share,
         drop_after_chunks: int | None = None,
+        stream_error: dict[str, Any] | None = None,
     ) -> web.StreamResponse:
         response = web.StreamResponse(
             headers={"Content-Type": "text/event-stream", "Cache-Control": "no-cache"}
         )
+        # vLLM opens each chat choice with a role-only event before it can fail the request.
+        openers = len(generation.prompts) if generation.chat else 0
         try:
             await response.prepare(request)
             sent = 0
@@ -235,6 +240,10 @@ class FakeWorker:
                 if sent == drop_after_chunks:
                     _cut(request)
                     self.records.add_abort(recorded)
+                    return response
+                if stream_error is not None and sent == openers:
+                    await response.write(stream_error_event(stream_error) + SSE_DONE)
+                    self.records.add("stream_error", recorded.record_id)
                     return response
                 await response.write(frame)
                 sent += 1
