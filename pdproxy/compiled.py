@@ -52,6 +52,7 @@ COMPILED_MODULES = (
     "pdproxy.proxy.prompt",
     "pdproxy.tracing.random_ids",
     "pdproxy.proxy.request",
+    "pdproxy.proxy.stream_opening",
     "pdproxy.proxy.rotation",
     "pdproxy.http.slots",
     "pdproxy.tracing.context",

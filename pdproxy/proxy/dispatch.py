@@ -59,6 +59,7 @@ from pdproxy.proxy.prompt import request_features
 from pdproxy.proxy.request import CompletionRequest
 from pdproxy.proxy.rotation import Rotation
 from pdproxy.proxy.side_by_side import DecodeBound, decode_beside_prefill
+from pdproxy.proxy.stream_opening import Opening, read_opening
 from pdproxy.registry.messages import Connector
 from pdproxy.registry.table import Instance
 from pdproxy.reliability.backoff import RetryPolicy
@@ -570,7 +571,7 @@ class Dispatcher:
                     leg.succeeded()
                     await exchange.whole(stream.status, stream.content_type, body)
                     return False
-                chunk = await stream.next_chunk()
+                chunk = await _opening(stream, await stream.next_chunk(), leg)
                 ledger = exchange.ledger
                 # A whole answer's chunks stay in the proxy: computing it again from its prompt
                 # sends the client nothing twice (done when it cannot be continued).
@@ -695,6 +696,22 @@ def _context_refusal(request: CompletionRequest, decode: Instance) -> bytes | No
     if decode.max_model_len is None:
         return None
     return request.context_refusal(decode.max_model_len)
+
+
+async def _opening(stream: AnswerStream, chunk: bytes, leg: LegLease) -> bytes:
+    """A stream's first bytes, read on past a chat answer's role-only events; raises the leg's
+    failure if the instance failed the request before its first token (stream_opening.py)."""
+    held = chunk
+    while True:
+        verdict, detail = read_opening(held)
+        if verdict is Opening.RELAY:
+            return held
+        if verdict is Opening.FAILED:
+            raise leg.failed(FailureKind.STREAM_ERROR, f"stream failed before any token: {detail}")
+        more = await stream.next_chunk()
+        if not more:
+            return held  # the stream ended: relayed as it is
+        held += more
 
 
 def _answered(status: int, body: bytes) -> str:

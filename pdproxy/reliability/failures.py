@@ -22,6 +22,8 @@ class FailureKind(StrEnum):
     PROTOCOL = "protocol"
     TIMEOUT = "timeout"
     STATUS_5XX = "status_5xx"
+    # A stream answered 200, then failed before its first token: vLLM's error event.
+    STREAM_ERROR = "stream_error"
     NO_KV_TRANSFER_PARAMS = "no_kv_transfer_params"
     BOOTSTRAP_QUERY = "bootstrap_query"  # a mooncake prefill's bootstrap /query failed
     STATUS_OTHER = "status_other"
@@ -67,6 +69,8 @@ FAILURES: Mapping[FailureKind, FailurePolicy] = MappingProxyType(
         FailureKind.RESET: _INSTANCE_FAULT,
         FailureKind.PROTOCOL: _INSTANCE_FAULT,
         FailureKind.STATUS_5XX: _INSTANCE_FAULT,
+        # What a whole answer's 5xx is to a stream (proxy/stream_opening.py).
+        FailureKind.STREAM_ERROR: _INSTANCE_FAULT,
         # Without kv_transfer_params the decode cannot know where the KV is.
         FailureKind.NO_KV_TRANSFER_PARAMS: _INSTANCE_FAULT,
         # Without the engine id the decode cannot name the prefill's KV (a prefill restarted
