@@ -18,6 +18,7 @@ import orjson
 # Read ahead looking for the first token event, at most: past it the stream is relayed as it is.
 MAX_OPENING_BYTES = 65536
 _EVENT_END = b"\n\n"
+_CRLF_EVENT_END = b"\r\n\r\n"
 _ERROR_EVENT = b'data: {"error"'
 # The role-only delta vLLM opens each chat choice with (compact JSON, as vLLM writes it).
 _ROLE_ONLY = b'"delta":{"role":"assistant","content":""}'
@@ -34,17 +35,21 @@ def read_opening(held: bytes) -> tuple[Opening, str]:
     """The verdict on a stream's first bytes `held`, and for FAILED the instance's message."""
     start = 0
     while True:
-        end = held.find(_EVENT_END, start)
+        end, size = held.find(_EVENT_END, start), len(_EVENT_END)
+        # SSE allows CRLF line ends too; such an event's end can only come before `end`.
+        crlf = held.find(_CRLF_EVENT_END, start, end if end >= 0 else len(held))
+        if crlf >= 0:
+            end, size = crlf, len(_CRLF_EVENT_END)
         if end < 0:
-            # No verdict in the bytes the bound allows (role events without end, an endless
-            # event): relayed as they are.
+            # An event not ended yet: read on, up to the bound; past it (role events and no
+            # verdict, an endless event) the bytes are relayed as they are.
             return (Opening.MORE if len(held) < MAX_OPENING_BYTES else Opening.RELAY), ""
         event = held[start:end]
         if event.startswith(_ERROR_EVENT):
             return _error_verdict(event)
         if _ROLE_ONLY not in event:
             return Opening.RELAY, ""
-        start = end + len(_EVENT_END)
+        start = end + size
 
 
 def _error_verdict(event: bytes) -> tuple[Opening, str]:

@@ -57,6 +57,13 @@ def test_an_unreadable_error_event_still_fails_the_leg() -> None:
     assert read_opening(b'data: {"error": "busy"}\n\n') == (Opening.FAILED, "busy")
 
 
+def test_events_framed_with_crlf_are_read_alike() -> None:
+    assert read_opening(ROLE.replace(b"\n", b"\r\n") + TOKEN) == (Opening.RELAY, "")
+    assert read_opening(ROLE.replace(b"\n", b"\r\n")) == (Opening.MORE, "")
+    failed = ROLE.replace(b"\n", b"\r\n") + error_event(500).replace(b"\n", b"\r\n")
+    assert read_opening(failed) == (Opening.FAILED, "Internal server error")
+
+
 def test_a_long_message_is_cut() -> None:
     verdict, detail = read_opening(error_event(500, "x" * 5000))
     assert verdict is Opening.FAILED and detail == "x" * 200
