@@ -49,7 +49,8 @@ Message = dict[str, Any]
 # before the response is complete (never after). Lets the hot path skip a watcher task.
 DISCONNECT_HOOK = "pdproxy.on_disconnect"
 # scope["extensions"][BODY_RECEIVED] is True if the whole body had arrived when the application
-# was called: reading it cannot wait, so it needs no bound (docs/performance.md, "Alarms").
+# was called: reading it cannot wait, so it needs no bound (docs/performance.md, "Calls on the
+# request path").
 BODY_RECEIVED = "pdproxy.body_received"
 
 # Past this much unread request body, reading pauses until the application takes it.
