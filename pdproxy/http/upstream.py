@@ -202,6 +202,7 @@ class _Connection(asyncio.Protocol):
             raise
 
     async def next_chunk(self) -> bytes:
+        """The next piece of body as it arrives; b"" at the end."""
         # The caller is done with the piece it had (a relay wrote it to its client, whose own
         # buffer bound applies from there): only now may more of the answer be read.
         self.held -= self._handed
@@ -219,6 +220,34 @@ class _Connection(asyncio.Protocol):
             await self._wait()
             if self._error is not None:
                 raise self._error  # buffered bytes of a failed answer are not relayed
+
+    async def read_all(self, limit: int) -> bytes:
+        """The rest of the body, whole; at most `limit` bytes. (Its own loop, not next_chunk's:
+        docs/performance.md, "Calls on the request path".)"""
+        self.held -= self._handed  # a piece handed out before is the caller's now
+        self._handed = 0
+        chunks = self._chunks
+        parts: list[bytes] = []
+        size = 0
+        while True:
+            while chunks:
+                chunk = chunks.popleft()
+                size += len(chunk)
+                if size > limit:
+                    raise UpstreamError(Transport.TOO_LARGE, f"answer exceeds {limit} bytes")
+                parts.append(chunk)
+            self.held = 0
+            if self._complete:
+                break
+            if self._paused and self._transport is not None:
+                self._paused = False  # the caller's limit bounds a whole answer, not HIGH_WATER
+                self._transport.resume_reading()
+            await self._wait()
+            if self._error is not None:
+                raise self._error
+        if len(parts) == 1:
+            return parts[0]
+        return b"".join(parts)
 
     def _drain(self) -> bytes:
         """The queued pieces joined (one write for the client instead of many), at most about
@@ -274,31 +303,6 @@ class _Connection(asyncio.Protocol):
             self._transport.close()
 
 
-class Stream:
-    """An answer whose status and headers arrived; the caller reads the body."""
-
-    __slots__ = ("_connection", "content_type", "status")
-
-    def __init__(self, connection: _Connection) -> None:
-        self._connection = connection
-        self.status = connection.status
-        self.content_type = connection.content_type
-
-    async def next_chunk(self) -> bytes:
-        """The next piece of body as it arrives; b"" at the end."""
-        return await self._connection.next_chunk()
-
-    async def read_all(self, limit: int) -> bytes:
-        parts: list[bytes] = []
-        size = 0
-        while chunk := await self._connection.next_chunk():
-            size += len(chunk)
-            if size > limit:
-                raise UpstreamError(Transport.TOO_LARGE, f"answer exceeds {limit} bytes")
-            parts.append(chunk)
-        return parts[0] if len(parts) == 1 else b"".join(parts)
-
-
 class _Pool:
     """Idle keep-alive connections to one instance, most recently used first."""
 
@@ -337,7 +341,8 @@ class HostPort(Protocol):
 
 
 class AnswerStream(Protocol):
-    """An answer whose status and headers arrived (`Stream`, or a test's scripted one)."""
+    """An answer whose status and headers arrived (an upstream connection, or a test's scripted
+    one)."""
 
     status: int
     content_type: bytes
@@ -487,7 +492,7 @@ class _StreamCall:
         self._body = body
         self._connection: _Connection | None = None
 
-    async def __aenter__(self) -> Stream:
+    async def __aenter__(self) -> _Connection:
         upstream = self._upstream
         if not upstream._slots.try_take():
             await upstream._wait_for_slot()
@@ -503,7 +508,7 @@ class _StreamCall:
                 try:
                     await pooled.request(head, body)
                     self._connection = pooled
-                    return Stream(pooled)
+                    return pooled
                 except UpstreamError as exc:
                     # A pooled connection the instance closed meanwhile fails at once, before
                     # any byte of answer: the request was never seen, so a fresh connection
@@ -524,7 +529,7 @@ class _StreamCall:
             upstream._slots.give_back()
             raise
         self._connection = connection
-        return Stream(connection)
+        return connection
 
     async def __aexit__(self, exc_type: type[BaseException] | None, *rest: object) -> None:
         upstream, connection = self._upstream, self._connection

@@ -396,6 +396,38 @@ def test_answer_over_limit() -> None:
 HELD_BOUND = upstream_module.HIGH_WATER + 2 * upstream_module.RECEIVE_BUFFER
 
 
+def test_a_whole_answer_past_the_high_water_mark_is_read_whole() -> None:
+    """Reading pauses at HIGH_WATER for a stream; a whole answer is bounded by its caller's
+    limit instead, so reading goes on until it ends, and the connection is pooled again."""
+    pieces = 64  # 4 MiB in 64 KiB writes: many pauses' worth
+
+    async def large(reader: asyncio.StreamReader, writer: asyncio.StreamWriter) -> None:
+        while True:
+            _, body = await read_request(reader)
+            writer.write(b"HTTP/1.1 200 OK\r\nContent-Length: %d\r\n\r\n" % (pieces * 65536))
+            for index in range(pieces):
+                writer.write(body[:1] * 65535 + b"%d" % (index % 10))
+                await writer.drain()
+
+    async def scenario() -> None:
+        async with Server(large) as server:
+
+            async def test(client: Upstream) -> None:
+                for marker in (b"a", b"b"):
+                    reply = await client.post(server.address, "/", marker, HEADERS, 8 << 20)
+                    assert reply.status == 200
+                    assert len(reply.body) == pieces * 65536
+                    expected = b"".join(
+                        marker * 65535 + b"%d" % (index % 10) for index in range(pieces)
+                    )
+                    assert reply.body == expected
+
+            await with_client(test)
+            assert server.connections == 1  # the second answer came on the pooled connection
+
+    asyncio.run(scenario())
+
+
 def test_slow_reader_applies_back_pressure() -> None:
     total = 16 * 1024 * 1024
 
@@ -412,12 +444,11 @@ def test_slow_reader_applies_back_pressure() -> None:
 
             async def test(client: Upstream) -> None:
                 async with client.stream("GET", server.address, "/", None, {}) as stream:
-                    connection = stream._connection
                     received = peak = 0
                     while chunk := await stream.next_chunk():
                         received += len(chunk)
                         await asyncio.sleep(0.001)  # a slow client
-                        peak = max(peak, connection.held)
+                        peak = max(peak, stream.held)
                     assert received == total
                     # Reading paused at the high-water mark: held bytes stay bounded.
                     assert peak <= HELD_BOUND
@@ -462,7 +493,7 @@ def test_reading_stays_paused_while_the_caller_holds_a_piece() -> None:
                     # Beyond what the caller took: the server's own write buffer (64 KiB
                     # before it drains) and socket buffers, and what this client holds.
                     assert written - received <= HELD_BOUND + 512 * 1024
-                    assert stream._connection.held <= HELD_BOUND
+                    assert stream.held <= HELD_BOUND
                     body = [b"x" * received]
                     while chunk := await stream.next_chunk():
                         assert len(chunk) <= upstream_module.HANDED_PIECE
