@@ -52,6 +52,10 @@ DISCONNECT_HOOK = "pdproxy.on_disconnect"
 # was called: reading it cannot wait, so it needs no bound (docs/performance.md, "Calls on the
 # request path").
 BODY_RECEIVED = "pdproxy.body_received"
+# scope["extensions"][ANSWER_WHOLE](status, headers, body) -> bool sends a whole answer (its
+# headers carry its content-length) in one call instead of two ASGI messages; False, with
+# nothing sent, while the client's connection takes no writes (the ASGI way then waits).
+ANSWER_WHOLE = "pdproxy.answer_whole"
 
 # Past this much unread request body, reading pauses until the application takes it.
 READ_HIGH_WATER = 65536
@@ -354,7 +358,10 @@ class HttpProtocol(asyncio.Protocol):
         self._head_received = 0
         self._framing_bytes = 0
         cycle = _Cycle(self, scope, keep_alive, self._expect_continue and not old_client)
-        scope["extensions"] = {DISCONNECT_HOOK: cycle.on_disconnect}
+        scope["extensions"] = {
+            DISCONNECT_HOOK: cycle.on_disconnect,
+            ANSWER_WHOLE: cycle.answer_whole,
+        }
         self._parsing = cycle
         if parser.should_upgrade():
             # Upgrade (h2c, WebSocket) or CONNECT: served as a plain request and the last on
@@ -669,6 +676,7 @@ class _Cycle:
             extensions = self.scope.get("extensions")
             if extensions:
                 extensions.pop(DISCONNECT_HOOK, None)
+                extensions.pop(ANSWER_WHOLE, None)
 
     # -- the client side ---------------------------------------------------------------------
 
@@ -750,6 +758,19 @@ class _Cycle:
         if kind != "http.response.body":
             raise RuntimeError(f"expected 'http.response.body', got {kind!r}")
         self._body(message.get("body", b""), message.get("more_body", False))
+
+    def answer_whole(self, status: int, headers: Any, body: bytes) -> bool:
+        """ANSWER_WHOLE: what sending the start and the last body message does, in one call
+        (docs/performance.md, "Calls on the request path")."""
+        if self._conn.write_paused and not self.disconnected:
+            return False
+        if self.disconnected:
+            return True  # dropped, as send drops it
+        if self.started:
+            raise RuntimeError("a whole answer after the response started")
+        self._start(status, headers)
+        self._body(body, False)
+        return True
 
     def _start(self, status: int, headers: Any) -> None:
         conn = self._conn

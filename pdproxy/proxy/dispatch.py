@@ -299,7 +299,13 @@ class Dispatcher:
                 with direct:
                     await self._serve_direct(direct.decode, request, exchange, authorization, trace)
                 return
-        lease = lease_pair(self._rotation, await self._rotation.choose(features, avoid))
+        # Planned in a plain call; only a request that must wait for room awaits (a coroutine
+        # less per request).
+        rotation = self._rotation
+        pair = rotation.plan(features, avoid)
+        if pair is None:
+            pair = await rotation.wait_for_pair(features, avoid)
+        lease = lease_pair(rotation, pair)
         with lease:  # gives back whatever the legs still hold, on every path
             prefill, decode = lease.prefill, lease.decode
             assert prefill is not None  # a pair's lease holds both legs

@@ -13,7 +13,7 @@ import contextlib
 from dataclasses import dataclass
 from typing import Any
 
-from pdproxy.http.server_protocol import BODY_RECEIVED, DISCONNECT_HOOK
+from pdproxy.http.server_protocol import ANSWER_WHOLE, BODY_RECEIVED, DISCONNECT_HOOK
 from pdproxy.proxy.error_shapes import OPENAI_SHAPE, ErrorShape
 from pdproxy.proxy.errors import ProxyError
 from pdproxy.proxy.migration_stream import StreamLedger
@@ -255,6 +255,11 @@ class Exchange:
         self.started = True
         headers = self._headers(content_type, extra)
         headers.append((b"content-length", str(len(body)).encode()))
+        extensions = self._scope.get("extensions")
+        answer = extensions.get(ANSWER_WHOLE) if extensions else None
+        if answer is not None and answer(status, headers, body):  # pdproxy's own server
+            self.complete = self.ended = True
+            return
         await self._send({"type": "http.response.start", "status": status, "headers": headers})
         self.complete = self.ended = True
         await self._send({"type": "http.response.body", "body": body, "more_body": False})

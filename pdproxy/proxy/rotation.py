@@ -80,19 +80,24 @@ class Rotation:
 
     async def choose(self, features: RequestFeatures, avoid: frozenset[str]) -> Pair:
         """A pair, waiting (bounded) while every compatible instance is at its cap."""
-        pair = self._plan(features, avoid)
-        if pair is not None:
-            return pair
+        pair = self.plan(features, avoid)
+        if pair is None:
+            pair = await self.wait_for_pair(features, avoid)
+        return pair
+
+    async def wait_for_pair(self, features: RequestFeatures, avoid: frozenset[str]) -> Pair:
+        """A pair once a busy instance has room (`plan` found none free), waiting at most
+        --queue-timeout."""
         # Waiting for a busy instance takes a place in the one bounded queue.
         with self._admission.queued():
             wait_until = asyncio.get_running_loop().time() + self._settings.queue_timeout
             while True:
                 await self._wait_for_capacity(wait_until)
-                pair = self._plan(features, avoid)
+                pair = self.plan(features, avoid)
                 if pair is not None:
                     return pair
 
-    def _plan(self, features: RequestFeatures, avoid: frozenset[str]) -> Pair | None:
+    def plan(self, features: RequestFeatures, avoid: frozenset[str]) -> Pair | None:
         """A pair now, or None while busy instances are all that stands in the way; raises
         when no compatible pair could serve even if they were free."""
         now = self._clock()

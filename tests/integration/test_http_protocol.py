@@ -20,6 +20,7 @@ from typing import Any
 import pytest
 
 from pdproxy.http.server_protocol import (
+    ANSWER_WHOLE,
     BODY_RECEIVED,
     DISCONNECT_HOOK,
     MAX_HEAD_BYTES,
@@ -86,6 +87,21 @@ def _app(recorder: Recorder) -> Any:
             headers = [(b"content-length", b"%d" % len(answer))]
             await send({"type": "http.response.start", "status": 200, "headers": headers})
             await send({"type": "http.response.body", "body": answer})
+            return
+        if path == "/huge-whole":  # one send past the write buffer's high-water mark
+            headers = [(b"content-length", str(BIG).encode())]
+            await send({"type": "http.response.start", "status": 200, "headers": headers})
+            await send({"type": "http.response.body", "body": b"h" * BIG})
+            return
+        if path == "/whole":  # as pdproxy's endpoint answers: in one call when it can
+            body = await _read_all(receive)
+            answer = b"whole|" + body
+            headers = [(b"content-type", b"text/plain"), (b"content-length", b"%d" % len(answer))]
+            done = scope["extensions"][ANSWER_WHOLE](200, headers, answer)
+            recorder.note(f"answered whole: {done}")
+            if not done:
+                await send({"type": "http.response.start", "status": 200, "headers": headers})
+                await send({"type": "http.response.body", "body": answer})
             return
         if path == "/start-then-fail":
             headers = [(b"content-length", b"5")]
@@ -233,6 +249,38 @@ def test_a_body_that_came_with_its_head_is_reported_received(served: Served) -> 
         time.sleep(0.3)
         sock.sendall(b"efgh")
         assert read_response(sock).endswith(b"\r\n\r\nNone|efgh")
+
+
+def test_a_whole_answer_in_one_call_leaves_in_one_write(served: Served) -> None:
+    with served.raw() as sock:
+        for body in (b"ab", b"cd"):
+            sock.sendall(b"POST /whole HTTP/1.1\r\nHost: x\r\nContent-Length: 2\r\n\r\n" + body)
+            answer = read_response(sock)
+            assert answer.startswith(b"HTTP/1.1 200 OK\r\n")
+            assert b"\r\ncontent-type: text/plain\r\n" in answer
+            assert answer.endswith(b"\r\n\r\nwhole|" + body)
+            # Noted once the call returned, which may be after the client read the answer.
+            assert served.recorder.wait_for("answered whole: True")
+            served.recorder.events.remove("answered whole: True")
+        assert served.recorder.events == []
+        assert len(served.writes) == 2  # head and body together, one write per answer
+
+
+def test_a_whole_answer_waits_while_the_client_is_not_reading(served: Served) -> None:
+    """Behind an answer the client has not read yet, the one-call answer declines (nothing
+    sent), and the ASGI way waits for the client: both answers arrive whole, in order."""
+    with served.raw() as sock:
+        sock.setsockopt(socket.SOL_SOCKET, socket.SO_RCVBUF, 65536)
+        sock.sendall(
+            b"GET /huge-whole HTTP/1.1\r\nHost: x\r\n\r\n"
+            b"POST /whole HTTP/1.1\r\nHost: x\r\nContent-Length: 2\r\n\r\nef"
+        )
+        time.sleep(0.5)  # not reading: the first answer fills the server's write buffer
+        data = read_until(sock, b"whole|ef", 20)
+        first, _, second = data.partition(b"\r\n\r\n" + b"h" * BIG)
+        assert first.startswith(b"HTTP/1.1 200 OK\r\n")
+        assert second.startswith(b"HTTP/1.1 200 OK\r\n") and second.endswith(b"whole|ef")
+        assert served.recorder.events == ["answered whole: False"]
 
 
 def test_percent_encoded_path_is_decoded(served: Served) -> None:
