@@ -762,10 +762,10 @@ class _Cycle:
     def answer_whole(self, status: int, headers: Any, body: bytes) -> bool:
         """ANSWER_WHOLE: what sending the start and the last body message does, in one call
         (docs/performance.md, "Calls on the request path")."""
-        if self._conn.write_paused and not self.disconnected:
-            return False
         if self.disconnected:
             return True  # dropped, as send drops it
+        if self._conn.write_paused:
+            return False
         if self.started:
             raise RuntimeError("a whole answer after the response started")
         self._start(status, headers)

@@ -224,8 +224,7 @@ class _Connection(asyncio.Protocol):
     async def read_all(self, limit: int) -> bytes:
         """The rest of the body, whole; at most `limit` bytes. (Its own loop, not next_chunk's:
         docs/performance.md, "Calls on the request path".)"""
-        self.held -= self._handed  # a piece handed out before is the caller's now
-        self._handed = 0
+        self._handed = 0  # a piece handed out before is the caller's now (`held` is reset below)
         chunks = self._chunks
         parts: list[bytes] = []
         size = 0

@@ -1,7 +1,8 @@
 """A leg is a lease: the rotation counted it in flight when it chose the instance, and it goes
 back exactly once, with at most one outcome (success, or a failure of some kind) recorded.
 
-    lease = lease_pair(rotation, await rotation.choose(features, avoid))
+    pair = rotation.plan(features, avoid) or await rotation.wait_for_pair(features, avoid)
+    lease = lease_pair(rotation, pair)
     with lease:                                    # gives back whatever is still held
         with lease.decode.watch("answer", limit):  # stamps the start; failures -> LegFailed
             ...
@@ -140,8 +141,8 @@ class PairLease:
 
 
 def lease_pair(rotation: Rotation, pair: Pair) -> PairLease:
-    """The legs of a pair `rotation.choose` returned, taken over before any await (a plain
-    function, not a coroutine wrapping choose: docs/performance.md, "Context managers as
+    """The legs of a pair the rotation chose, taken over before any await (a plain function,
+    not a coroutine wrapping the choice: docs/performance.md, "Context managers as
     classes")."""
     return PairLease(
         LegLease(rotation, Role.PREFILL, pair.prefill, pair.prefill_tokens),

@@ -78,16 +78,9 @@ class Rotation:
             self._retained_version = snapshot.version
         return snapshot
 
-    async def choose(self, features: RequestFeatures, avoid: frozenset[str]) -> Pair:
-        """A pair, waiting (bounded) while every compatible instance is at its cap."""
-        pair = self.plan(features, avoid)
-        if pair is None:
-            pair = await self.wait_for_pair(features, avoid)
-        return pair
-
     async def wait_for_pair(self, features: RequestFeatures, avoid: frozenset[str]) -> Pair:
-        """A pair once a busy instance has room (`plan` found none free), waiting at most
-        --queue-timeout."""
+        """A pair once a busy instance has room (`plan` found none free): the wait, bounded
+        by --queue-timeout, while every compatible instance is at its cap."""
         # Waiting for a busy instance takes a place in the one bounded queue.
         with self._admission.queued():
             wait_until = asyncio.get_running_loop().time() + self._settings.queue_timeout
@@ -114,8 +107,8 @@ class Rotation:
 
     async def choose_one(self, role: Role, model: str | None, avoid: frozenset[str]) -> Instance:
         """One instance of `role` serving `model` (None: any) for a request that needs no
-        pair (a passed-through path), waiting (bounded) as `choose` does while every one of
-        them is at its cap."""
+        pair (a passed-through path), waiting (bounded) as `wait_for_pair` does while every
+        one of them is at its cap."""
         instance = self._plan_one(role, model, avoid)
         if instance is not None:
             return instance

@@ -377,7 +377,9 @@ async def test_a_client_that_leaves_mid_leg_releases_both_legs() -> None:
 async def test_a_lease_goes_back_once_however_often_it_is_released() -> None:
     proxy = Proxy([P1, D1])
     features = proxy.dispatcher.features(_request())
-    lease = lease_pair(proxy.rotation, await proxy.rotation.choose(features, frozenset()))
+    pair = proxy.rotation.plan(features, frozenset())
+    assert pair is not None  # both instances are idle
+    lease = lease_pair(proxy.rotation, pair)
     assert proxy.planner.inflight.total_requests() == 2
     with lease:
         assert lease.prefill is not None
@@ -392,7 +394,9 @@ async def test_a_lease_goes_back_once_however_often_it_is_released() -> None:
 async def test_a_legs_first_outcome_is_the_one_recorded() -> None:
     proxy = Proxy([P1, D1])
     features = proxy.dispatcher.features(_request())
-    lease = lease_pair(proxy.rotation, await proxy.rotation.choose(features, frozenset()))
+    pair = proxy.rotation.plan(features, frozenset())
+    assert pair is not None  # both instances are idle
+    lease = lease_pair(proxy.rotation, pair)
     with lease:
         with lease.decode.watch("answer", 1.0):
             pass
