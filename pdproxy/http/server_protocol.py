@@ -74,6 +74,9 @@ MAX_FRAMING_BYTES = 65536
 # body is read and dropped, within DISCARD_SECONDS in all; past either the connection closes.
 MAX_DISCARD_BYTES = 65536
 DISCARD_SECONDS = 5.0
+# An idle timer that fires this much after its time means the process did not run meanwhile
+# (its host stopped or starved it): see HttpProtocol._idle_check.
+LATE_WAKE_SECONDS = 0.5
 
 # The checks of a response head map each byte to 1 if allowed, 0 if not (bytes.translate
 # with a table made once, one C pass) and refuse a head with a 0 in the result: see
@@ -109,6 +112,42 @@ _STATUS_LINES = _status_lines()
 class HttpProtocol(asyncio.Protocol):
     """One client connection. uvicorn builds one per accepted socket (`Config(http=...)`)."""
 
+    # Slots: a fixed set of attributes, each read in one step, whatever their number (a plain
+    # instance dict shares its keys only up to about 30 of them: docs/performance.md, "The HTTP
+    # protocol").
+    __slots__ = (
+        "_app",
+        "_app_state",
+        "_body_parser",
+        "_client",
+        "_cycle",
+        "_discard_left",
+        "_expect_continue",
+        "_framing_bytes",
+        "_head_began",
+        "_head_bytes",
+        "_head_received",
+        "_headers",
+        "_idle_seconds",
+        "_idle_timer",
+        "_idle_timer_at",
+        "_idle_until",
+        "_in_head",
+        "_loop",
+        "_parser",
+        "_parsing",
+        "_pipeline",
+        "_read_paused",
+        "_server",
+        "_server_state",
+        "_stall_excused",
+        "_upgraded",
+        "_url",
+        "_write_waiters",
+        "transport",
+        "write_paused",
+    )
+
     def __init__(
         self,
         config: Config,
@@ -141,6 +180,7 @@ class HttpProtocol(asyncio.Protocol):
         self._idle_until: float | None = None  # loop time to close by; None while answering
         self._idle_timer: asyncio.TimerHandle | None = None
         self._idle_timer_at = 0.0  # when the armed timer fires (meaningful while it is set)
+        self._stall_excused = False  # this idle period was extended once after a late wake
         self._read_paused = False
         self.write_paused = False
         self._write_waiters: list[asyncio.Future[None]] = []
@@ -478,6 +518,7 @@ class HttpProtocol(asyncio.Protocol):
     def _start(self, cycle: _Cycle) -> None:
         self._cycle = cycle
         self._idle_until = None  # an armed idle timer finds no bound when it fires
+        self._stall_excused = False  # a request came: a later idle period may be excused again
         tasks = self._server_state.tasks
         task = self._loop.create_task(cycle.run(self._app))
         tasks.add(task)
@@ -517,8 +558,17 @@ class HttpProtocol(asyncio.Protocol):
         when = self._idle_until
         if when is None:
             return  # a request is being answered; its end sets a new bound
-        if when > self._loop.time():
+        now = self._loop.time()
+        if when > now:
             self._arm_idle_timer(when)  # the bound moved since this timer was armed
+            return
+        if now - self._idle_timer_at > LATE_WAKE_SECONDS and not self._stall_excused:
+            # Woken late: the process did not run, and a client stopped with it (a stalled
+            # host stops both) may send its request just after this wake, before the next
+            # read. So the connection gets one more idle period instead of closing under that
+            # request; once only, so that a proxy that never wakes on time still closes.
+            self._stall_excused = True
+            self._idle_by(now + self._idle_seconds)
             return
         if self.transport is not None and not self.transport.is_closing():
             self.transport.close()

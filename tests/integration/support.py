@@ -5,6 +5,8 @@ from __future__ import annotations
 import asyncio
 import http.client
 import json
+import os
+import signal
 import socket
 import threading
 import time
@@ -16,7 +18,7 @@ from typing import Any, Self
 from urllib.parse import urlsplit
 
 from pdproxy.demo.fleet import LocalFleet, Worker, WorkerSpec
-from pdproxy.demo.processes import http_get
+from pdproxy.demo.processes import ManagedProcess, http_get
 
 
 @dataclass
@@ -228,3 +230,13 @@ def one_pair_fleet(log_dir: Path) -> Iterator[LocalFleet]:
         yield fleet.start()
     finally:
         fleet.stop()
+
+
+def stopped_for(process: ManagedProcess, seconds: float) -> None:
+    """SIGSTOP `process` for `seconds` (as a descheduled VM or a CPU-throttled cgroup stops
+    it); it runs again even if this is interrupted."""
+    os.kill(process.pid, signal.SIGSTOP)
+    try:
+        time.sleep(seconds)
+    finally:
+        os.kill(process.pid, signal.SIGCONT)

@@ -13,6 +13,7 @@ import gc
 import http.client
 import re
 import socket
+import threading
 import time
 from collections.abc import Iterator
 from typing import Any
@@ -396,6 +397,52 @@ def test_requests_closer_than_the_idle_period_keep_the_connection(served: Served
             sock.sendall(b"GET /echo HTTP/1.1\r\nHost: x\r\n\r\n")
             assert read_response(sock).endswith(b"GET /echo |")
             time.sleep(IDLE_SECONDS / 3)
+        assert closed_by_peer(sock, IDLE_SECONDS * 6)
+
+
+def _accepted(served: Served, count: int) -> None:
+    """Wait until the server has taken `count` connections (its idle bounds run from then)."""
+    deadline = time.monotonic() + 5
+    while len(served.state.connections) < count:
+        assert time.monotonic() < deadline, "the server did not take the connection"
+        time.sleep(0.01)
+
+
+def _stall(served: Served, seconds: float) -> None:
+    """The serving loop stops running for `seconds`, as when its host stops the process;
+    returns once it has stopped."""
+    stopped = threading.Event()
+
+    def stall() -> None:
+        stopped.set()
+        time.sleep(seconds)
+
+    served.loop.call_soon_threadsafe(stall)
+    assert stopped.wait(5)
+
+
+def test_a_request_sent_as_a_stall_ends_is_served_not_closed_as_idle(served: Served) -> None:
+    # A stalled host stops the proxy and its client together, past the connection's idle
+    # bound. On waking, the late idle timer must not close the connection before the client,
+    # waking too, sends its request: the client was never idle by its own clock.
+    with served.raw() as sock:
+        _accepted(served, 1)
+        _stall(served, IDLE_SECONDS * 2)
+        time.sleep(IDLE_SECONDS * 2 + 0.2)  # the client wakes a little after the server
+        sock.sendall(b"GET /echo HTTP/1.1\r\nHost: x\r\n\r\n")
+        assert read_response(sock).endswith(b"GET /echo |")
+        # Its next idle period is an ordinary one.
+        assert closed_by_peer(sock, IDLE_SECONDS * 6)
+
+
+def test_a_connection_silent_after_a_stall_is_closed_one_idle_period_later(
+    served: Served,
+) -> None:
+    with served.raw() as sock:
+        _accepted(served, 1)
+        _stall(served, IDLE_SECONDS * 2)
+        # The late wake excuses the stall once: one more idle period, then closed.
+        assert not closed_by_peer(sock, IDLE_SECONDS * 2.5)
         assert closed_by_peer(sock, IDLE_SECONDS * 6)
 
 

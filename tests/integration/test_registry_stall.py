@@ -31,14 +31,14 @@ import uvloop
 from pdproxy.base.roles import Role
 from pdproxy.config import Settings
 from pdproxy.demo.fleet import LocalFleet, WorkerSpec
-from pdproxy.demo.processes import ManagedProcess, free_ports, wait_until
+from pdproxy.demo.processes import free_ports, wait_until
 from pdproxy.ids import parse_address
 from pdproxy.metrics import Metrics
 from pdproxy.registry.server import RegistryServer
 from pdproxy.registry.table import RegistryTable
 from pdproxy.vllm_side.announcement import WorkerIdentity, announce_message
 from pdproxy.vllm_side.fanout import FanOutClient
-from tests.integration.support import metric_value
+from tests.integration.support import metric_value, stopped_for
 
 TTL_S = 1.0
 STALL_S = 2.0  # twice the TTL: a sweep before the reads would expire every instance
@@ -111,15 +111,6 @@ def test_instances_announcing_through_a_stall_of_the_proxys_loop_stay(loop: str)
 
 PROCESS_STALLS = 3
 PROCESS_STALL_S = 2.5  # more than twice the TTL
-
-
-def stopped_for(process: ManagedProcess, seconds: float) -> None:
-    """SIGSTOP `process` for `seconds`; it runs again even if this is interrupted."""
-    os.kill(process.pid, signal.SIGSTOP)
-    try:
-        time.sleep(seconds)
-    finally:
-        os.kill(process.pid, signal.SIGCONT)
 
 
 def test_instances_announcing_through_a_stop_of_the_proxy_process_stay(tmp_path: Path) -> None:
