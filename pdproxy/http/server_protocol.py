@@ -271,10 +271,13 @@ class HttpProtocol(asyncio.Protocol):
             self._refuse(400, b"Invalid HTTP request received.")
             return
         if self._cycle is None and self._discard_left is None:
-            # Between requests (a partial request): still bounded by the idle timeout; a head
-            # by one timeout in all. A body dropped after an early answer keeps its bound.
+            # Between requests (a partial request): a head is bounded by one timeout in all,
+            # from its first byte. Empty lines before a request line (which the parser skips)
+            # begin nothing and leave the idle bound as it is: they cannot keep a connection
+            # open. A body dropped after an early answer keeps its bound.
             began = self._head_began
-            self._idle_by((self._loop.time() if began is None else began) + self._idle_seconds)
+            if began is not None:
+                self._idle_by(began + self._idle_seconds)
 
     def _feed(self, data: bytes) -> bool:
         """Parse `data`; False if the connection was refused or is now past its requests."""
@@ -545,7 +548,10 @@ class HttpProtocol(asyncio.Protocol):
 
     def _arm_idle_timer(self, when: float) -> None:
         self._cancel_idle_timer()
-        self._idle_timer_at = when
+        # When it can fire at the earliest: a bound already past (a head that began long ago)
+        # fires at once, and is not late for that.
+        now = self._loop.time()
+        self._idle_timer_at = when if when > now else now
         self._idle_timer = self._loop.call_at(when, self._idle_check)
 
     def _cancel_idle_timer(self) -> None:
@@ -562,12 +568,19 @@ class HttpProtocol(asyncio.Protocol):
         if when > now:
             self._arm_idle_timer(when)  # the bound moved since this timer was armed
             return
-        if now - self._idle_timer_at > LATE_WAKE_SECONDS and not self._stall_excused:
-            # Woken late: the process did not run, and a client stopped with it (a stalled
-            # host stops both) may send its request just after this wake, before the next
-            # read. So the connection gets one more idle period instead of closing under that
-            # request; once only, so that a proxy that never wakes on time still closes.
+        if (
+            now - self._idle_timer_at > LATE_WAKE_SECONDS
+            and not self._stall_excused
+            and self._discard_left is None  # a body nobody reads is not a request on its way
+        ):
+            # Woken late: the process did not run (its host stopped it, or its loop was
+            # blocked), and a client stopped with it may send its request just after this
+            # wake, before the next read. So the connection gets one more idle period (a head
+            # under way too) instead of closing under that request; once until a request
+            # comes, so that a proxy that never wakes on time still closes.
             self._stall_excused = True
+            if self._head_began is not None:
+                self._head_began = now
             self._idle_by(now + self._idle_seconds)
             return
         if self.transport is not None and not self.transport.is_closing():

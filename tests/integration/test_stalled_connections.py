@@ -31,13 +31,16 @@ def test_a_request_sent_as_the_proxy_process_wakes_is_answered(tmp_path: Path) -
     address = urlsplit(fleet.proxy_url)
     try:
         with socket.create_connection((address.hostname, address.port), timeout=5) as sock:
-            time.sleep(0.2)  # taken by the proxy: its idle bound runs from here
+            # One request answered first: the connection is the proxy's, its idle bound runs.
+            sock.sendall(b"GET /health HTTP/1.1\r\nHost: x\r\n\r\n")
+            assert read_response(sock).startswith(b"HTTP/1.1 200 ")
             stopped_for(fleet.proxy, STOP_S)
             time.sleep(0.1)  # the client runs again a moment after the proxy
             sock.sendall(b"GET /health HTTP/1.1\r\nHost: x\r\n\r\n")
             assert read_response(sock).startswith(b"HTTP/1.1 200 ")
         with socket.create_connection((address.hostname, address.port), timeout=5) as silent:
-            time.sleep(0.2)
+            silent.sendall(b"GET /health HTTP/1.1\r\nHost: x\r\n\r\n")
+            assert read_response(silent).startswith(b"HTTP/1.1 200 ")
             stopped_for(fleet.proxy, STOP_S)
             # One more idle period from the wake, then closed like any idle connection.
             assert not closed_by_peer(silent, IDLE_S / 2)
