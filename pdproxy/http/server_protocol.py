@@ -113,7 +113,7 @@ class HttpProtocol(asyncio.Protocol):
     """One client connection. uvicorn builds one per accepted socket (`Config(http=...)`)."""
 
     # Slots: a fixed set of attributes, each read in one step, whatever their number (a plain
-    # instance dict shares its keys only up to about 30 of them: docs/performance.md, "The HTTP
+    # instance dict shares its keys only while fewer than 30: docs/performance.md, "The HTTP
     # protocol").
     __slots__ = (
         "_app",
