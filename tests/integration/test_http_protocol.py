@@ -20,6 +20,7 @@ from typing import Any
 
 import pytest
 
+from pdproxy.demo.processes import wait_until
 from pdproxy.http.server_protocol import (
     ANSWER_WHOLE,
     BODY_RECEIVED,
@@ -402,10 +403,9 @@ def test_requests_closer_than_the_idle_period_keep_the_connection(served: Served
 
 def _accepted(served: Served, count: int) -> None:
     """Wait until the server has taken `count` connections (its idle bounds run from then)."""
-    deadline = time.monotonic() + 5
-    while len(served.state.connections) < count:
-        assert time.monotonic() < deadline, "the server did not take the connection"
-        time.sleep(0.01)
+    wait_until(
+        lambda: len(served.state.connections) >= count, 5, "the server to take it", interval=0.01
+    )
 
 
 class _Stall:
