@@ -42,7 +42,8 @@ def pytest_collection_modifyitems(config: pytest.Config, items: list[pytest.Item
     for item in items:
         if "vllm" not in item.keywords:
             continue
-        item.add_marker(pytest.mark.timeout(VLLM_TEST_TIMEOUT_S))
+        if item.get_closest_marker("timeout") is None:  # a module may know it needs longer
+            item.add_marker(pytest.mark.timeout(VLLM_TEST_TIMEOUT_S))
         if vllm_skipped():
             item.add_marker(pytest.mark.skip(reason=f"{SKIP_VLLM_VARIABLE}=1"))
             skipped += 1

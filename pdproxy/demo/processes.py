@@ -22,6 +22,9 @@ from pathlib import Path
 from typing import IO, Any
 
 LOOPBACK = "127.0.0.1"
+# SIGKILL cannot be refused: a child still there after it has not yet been let run its exit on a
+# starved host, so this wait is longer than any grace period.
+KILL_WAIT_S = 60.0
 
 
 def free_port() -> int:
@@ -105,7 +108,8 @@ class ManagedProcess:
                 os.killpg(self.pid, sig)
 
     def stop(self, grace: float = 5.0) -> int | None:
-        """SIGTERM the process group, SIGKILL it after `grace` seconds. Returns the exit code."""
+        """SIGTERM the process group, SIGKILL it after `grace` seconds. Returns the exit code, None
+        if the child outlasted even the wait after SIGKILL."""
         if self.process is None:
             return None
         try:
@@ -115,7 +119,7 @@ class ManagedProcess:
                     self.process.wait(timeout=grace)
                 except subprocess.TimeoutExpired:
                     self.signal(signal.SIGKILL)
-                    self.process.wait(timeout=grace)
+                    self._reap_killed()
             # Children of the group that outlived their parent go too.
             with contextlib.suppress(ProcessLookupError, PermissionError):
                 os.killpg(self.pid, signal.SIGKILL)
@@ -124,6 +128,19 @@ class ManagedProcess:
             if self._log is not None:
                 self._log.close()
                 self._log = None
+
+    def _reap_killed(self) -> None:
+        """Wait, bounded, for a child just sent SIGKILL. One still there at the bound is
+        reported, not raised: stop() runs in cleanups, where an exception would hide the error
+        that led there and leave the processes stopped after this one running."""
+        assert self.process is not None
+        try:
+            self.process.wait(timeout=KILL_WAIT_S)
+        except subprocess.TimeoutExpired:
+            print(
+                f"{self.name} (pid {self.pid}) still there {KILL_WAIT_S:g} s after SIGKILL",
+                file=sys.stderr,
+            )
 
     def log_tail(self, lines: int = 40) -> str:
         if self.log_path is None or not self.log_path.exists():

@@ -16,6 +16,7 @@ decode counts the prompt tokens it took from outside; neither counts a failed tr
 
 from __future__ import annotations
 
+import re
 import time
 from collections.abc import Iterator
 from concurrent.futures import ThreadPoolExecutor
@@ -24,6 +25,7 @@ from dataclasses import dataclass
 from pathlib import Path
 from typing import Final
 
+import openai
 import pytest
 
 from pdproxy.demo.fleet import LocalFleet
@@ -50,7 +52,9 @@ from tests.vllm.test_nixl_real import (
     streamed_chat,
 )
 
-pytestmark = pytest.mark.vllm
+# Each test's bound: the first one's setup may start the whole fleet FLEET_ATTEMPTS times.
+FLEET_BUDGET_S = 1500
+pytestmark = [pytest.mark.vllm, pytest.mark.timeout(FLEET_BUDGET_S)]
 
 ENGINE_ID = "pdproxy-push-prefill"
 REGISTRATION_TIMEOUT_S = 30.0
@@ -66,6 +70,12 @@ PUSH: Final = "NixlPushConnector"
 # the request is retried, with a new handshake), and each test's client bound is not spent on
 # NIXL's warm-up, nor does a late transfer land in the next test's counters.
 WARM_UP_TIMEOUT_S = 300.0
+# A fresh pair can also wedge for good on a starved machine, past what the proxy can recover:
+# the prefill's handshake timed out, the proxy's retry after its first-byte bound made a new one,
+# and then the decode's worker took no more work (vLLM's "No available shared memory broadcast
+# block found in 60 seconds"), so no later attempt on that pair could finish. The fixture then
+# prints what the logs said and starts a fresh pair; a flow that never works still fails.
+FLEET_ATTEMPTS = 2
 # While a push is under way, both engines' worker threads and NIXL's progress threads spin; on
 # CPU, vLLM's NIXL worker also moves its model thread onto the last core, which the decode's
 # threads are bound to. There, the test machine's kernel left threads unscheduled for 10-195 s
@@ -103,11 +113,10 @@ def push_sidecar(
     return sidecar(server, role, registry, model, log, connector="nixl_push", extra=extra)
 
 
-@pytest.fixture(scope="module")
-def push_fleet(
-    vllm_env: VllmEnv, vllm_model: Path, tmp_path_factory: pytest.TempPathFactory
-) -> Iterator[PushFleet]:
-    work = tmp_path_factory.mktemp("nixl-push")
+def start_push_fleet(
+    stack: ExitStack, work: Path, vllm_env: VllmEnv, vllm_model: Path
+) -> PushFleet:
+    """A fresh prefill and decode, and the two proxies in front of them, stopped by `stack`."""
     p_http, p_side, d_http, d_side = free_ports(4)
     prefill = VllmServer(
         "push-P",
@@ -131,25 +140,66 @@ def push_fleet(
         connector_extra=LEASE,
     )
     specs = ["--prefill", static_spec(prefill, True), "--decode", static_spec(decode, False)]
-    with ExitStack() as stack:
-        proxies = start_both_setups(
-            stack, work, vllm_env, vllm_model, (prefill, decode), specs, push_sidecar
-        )
-        fleet = PushFleet(prefill, decode, proxies)
-        warm_up(fleet)
-        yield fleet
+    proxies = start_both_setups(
+        stack, work, vllm_env, vllm_model, (prefill, decode), specs, push_sidecar
+    )
+    return PushFleet(prefill, decode, proxies)
 
 
-def warm_up(fleet: PushFleet) -> None:
-    """The pair's first push transfer, through the static proxy, counted before any test."""
+@pytest.fixture(scope="module")
+def push_fleet(
+    vllm_env: VllmEnv, vllm_model: Path, tmp_path_factory: pytest.TempPathFactory
+) -> Iterator[PushFleet]:
+    trouble = ""
+    for attempt in range(1, FLEET_ATTEMPTS + 1):
+        with ExitStack() as stack:
+            work = tmp_path_factory.mktemp("nixl-push")
+            fleet = start_push_fleet(stack, work, vllm_env, vllm_model)
+            trouble = warm_up(fleet)
+            if not trouble:
+                yield fleet
+                return
+            print(f"\nfresh pair {attempt} of {FLEET_ATTEMPTS} wedged on its first push")
+            print(trouble)
+    pytest.fail(f"no fresh NIXL push pair made its first transfer; the last:\n{trouble}")
+
+
+def warm_up(fleet: PushFleet) -> str:
+    """The pair's first push transfer, through the static proxy, counted before any test.
+    Returns "" once it is, or what the pair's and the proxy's logs said if it did not finish."""
     before = PushCounters.of(fleet)
     started = time.monotonic()
     proxy_url = fleet.proxies["static"].proxy_url
-    answer = streamed_chat(client(proxy_url, WARM_UP_TIMEOUT_S), PROMPTS["multi_block"])
+    try:
+        answer = streamed_chat(client(proxy_url, WARM_UP_TIMEOUT_S), PROMPTS["multi_block"])
+    except openai.APIError as exc:
+        return f"{exc!r} after {time.monotonic() - started:.0f} s\n{notable_lines(fleet)}"
     moved_since(fleet, before, [answer])
     retries = metric_value(proxy_url, "pdproxy_retries_total")
     took = time.monotonic() - started
     print(f"\nthe pair's first NIXL push transfer: {took:.1f} s, {retries:g} retries")
+    return ""
+
+
+# What shows a wedged pair in vLLM's log (not a traceback's frames), and the proxy's outcome.
+NOTABLE = re.compile(r"NIXL transfer failure|handshake|No available shared memory|zmq\.error")
+FRAME = re.compile(r'\] {2}|File "|\^\^\^')  # indented after vLLM's [file:line]: a frame
+SHOWN_LINES = 8
+
+
+def notable_lines(fleet: PushFleet) -> str:
+    shown: list[str] = []
+    logs = [(server.name, server.log_path) for server in (fleet.prefill, fleet.decode)]
+    logs.append(("proxy", fleet.proxies["static"].log_dir / "pdproxy.log"))
+    for name, path in logs:
+        text = path.read_text(encoding="utf-8", errors="replace")
+        lines = [
+            line
+            for line in text.splitlines()
+            if (NOTABLE.search(line) or "pdproxy.access" in line) and not FRAME.search(line)
+        ]
+        shown += [f"{name}: {line[:300]}" for line in lines[-SHOWN_LINES:]]
+    return "\n".join(shown)
 
 
 @dataclass(frozen=True)
