@@ -254,10 +254,11 @@ LOG_FILES_SHOWN = 12
 def pytest_runtest_makereport(
     item: pytest.Item, call: pytest.CallInfo[None]
 ) -> Generator[None, pytest.TestReport, pytest.TestReport]:
-    """A failed real-vLLM test shows the tails of the logs its processes wrote meanwhile (the
-    proxies', vLLM's, the sidecars'): CI keeps nothing else of a run that failed."""
+    """A failed real-vLLM test, or a fixture that failed to set it up, shows the tails of the
+    logs its processes wrote meanwhile (the proxies', vLLM's, the sidecars'): CI keeps nothing
+    else of a run that failed."""
     report = yield
-    if report.failed and call.when == "call":
+    if report.failed and call.when in ("setup", "call"):
         factory = getattr(item.config, "_tmp_path_factory", None)
         if isinstance(factory, pytest.TempPathFactory):
             for path in logs_written_since(factory.getbasetemp(), call.start):
