@@ -9,6 +9,7 @@ from __future__ import annotations
 import contextlib
 import json
 import os
+import random
 import signal
 import socket
 import subprocess
@@ -27,11 +28,25 @@ LOOPBACK = "127.0.0.1"
 KILL_WAIT_S = 60.0
 
 
+# Ports for the servers started here are drawn below Linux's default ephemeral range (32768-
+# 60999), where the kernel puts every connect() and every bind to port 0: a port chosen there and
+# bound only once its server is up (30 s for vLLM) could meanwhile be handed to another socket,
+# as vLLM's own free-port lookup once took a NIXL side channel's port.
+SERVER_PORTS = range(20000, 32768)
+PORT_DRAWS = 200
+
+
 def free_port() -> int:
-    """A port nothing listens on right now (the OS picks it)."""
-    with socket.socket(socket.AF_INET, socket.SOCK_STREAM) as sock:
-        sock.bind((LOOPBACK, 0))
-        return int(sock.getsockname()[1])
+    """A port nothing listens on right now, outside the kernel's ephemeral range."""
+    for _ in range(PORT_DRAWS):
+        port = random.choice(SERVER_PORTS)
+        with socket.socket(socket.AF_INET, socket.SOCK_STREAM) as sock:
+            try:
+                sock.bind((LOOPBACK, port))
+            except OSError:
+                continue
+            return port
+    raise RuntimeError(f"no free port in {PORT_DRAWS} draws from {SERVER_PORTS}")
 
 
 def free_ports(count: int) -> list[int]:
